@@ -1,0 +1,224 @@
+"""The node agent: one per node, spawns that node's workers and carries out the controller's orders.
+
+Runs in its own process (``python -m undying.agent`` for a simulated node, or inside
+``undying run --node-rank R`` on a real one). It polls its workers every
+``monitor_interval`` seconds, reports their exits (code or signal) in each poll,
+and on orders starts a generation's workers, stops them, or exits. Workers share
+the agent's process group and die with it, as on a real node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from undying.client import ControllerClient, ControllerUnreachable, Unauthorized, parse_address
+from undying.config import JobSpec, spec_from_json
+from undying.procs import die_with_parent, signal_name, stop_processes
+from undying.protocol import (
+    ENV_CONTROLLER,
+    ENV_GENERATION,
+    ENV_INJECT,
+    ENV_JOB_ID,
+    ENV_NODE,
+    ENV_RESTART_COUNT,
+    ENV_RUN_DIR,
+    ENV_SPEC,
+    ENV_STORE_PREFIX,
+    ENV_TOKEN,
+    ORDER_EXIT,
+    ORDER_START,
+    ORDER_STOP,
+    ROUTE_AGENT_HELLO,
+    ROUTE_AGENT_POLL,
+    WORKER_EXITED,
+    WORKER_RUNNING,
+    AgentHello,
+    AgentPoll,
+    HelloReply,
+    Order,
+    WorkerStatus,
+)
+
+ENV_DIE_WITH_PARENT = "UNDYING_AGENT_DIE_WITH_PARENT"
+
+
+class AgentStopped(Exception):
+    pass
+
+
+class Agent:
+    """Owns the workers of one node for the life of the job."""
+
+    def __init__(
+        self,
+        node: int,
+        spec: JobSpec,
+        controller_address: str,
+        token: str,
+        run_dir: Path,
+        command: list[str],
+        injections_text: str = "",
+    ) -> None:
+        self.node = node
+        self.spec = spec
+        self.controller_address = controller_address
+        self.token = token
+        self.run_dir = run_dir
+        self.command = command
+        self.injections_text = injections_text
+        self.client = ControllerClient(controller_address, token, timeout=10.0)
+        self.job_id = ""
+        self.generation = 0
+        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.local_ranks: dict[int, int] = {}
+        self._stopping = False
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            self._hello()
+            return self._loop()
+        except AgentStopped:
+            return 0
+        except Unauthorized as error:
+            print(f"undying agent {self.node}: {error}", file=sys.stderr)
+            return 2
+        finally:
+            self._stop_workers(grace=0.0)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stopping = True
+        raise AgentStopped()
+
+    def _hello(self) -> None:
+        deadline = time.time() + self.spec.node_return_timeout
+        hello = AgentHello(self.node, os.getpid(), socket.gethostname(), self.spec.nproc_per_node)
+        while True:
+            try:
+                reply = HelloReply.from_dict(self.client.post(ROUTE_AGENT_HELLO, hello.to_dict()))
+            except ControllerUnreachable:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+                continue
+            if not reply.accepted:
+                raise SystemExit(f"undying agent {self.node}: controller refused: {reply.reason}")
+            self.job_id = reply.job_id
+            return
+
+    def _loop(self) -> int:
+        unreachable_since: float | None = None
+        while True:
+            poll = AgentPoll(self.node, self.generation, [s.to_dict() for s in self._statuses()],
+                             wait=self.spec.monitor_interval)
+            try:
+                order = Order.from_dict(self.client.post(ROUTE_AGENT_POLL, poll.to_dict(),
+                                                         timeout=self.spec.monitor_interval + 10))
+                unreachable_since = None
+            except ControllerUnreachable:
+                # Without a controller nobody can make decisions: do not train on forever.
+                unreachable_since = unreachable_since or time.time()
+                if time.time() - unreachable_since > self.spec.node_return_timeout:
+                    print(f"undying agent {self.node}: controller unreachable, stopping", file=sys.stderr)
+                    return 1
+                time.sleep(min(1.0, self.spec.monitor_interval))
+                continue
+            if order.reason == "hello" and order.kind != ORDER_EXIT:
+                self._stop_workers(grace=0.0)
+                self._hello()
+            elif order.kind == ORDER_START:
+                self._start_workers(order)
+            elif order.kind == ORDER_STOP:
+                self._stop_workers(grace=self._grace())
+            elif order.kind == ORDER_EXIT:
+                self._stop_workers(grace=self._grace() if self._any_running() else 0.0)
+                return 0
+
+    # ------------------------------------------------------------------ workers
+
+    def _grace(self) -> float:
+        return self.spec.grace_period if self.spec.fault_scheduling == "grace" else 0.0
+
+    def _any_running(self) -> bool:
+        return any(process.poll() is None for process in self.workers.values())
+
+    def _statuses(self) -> list[WorkerStatus]:
+        statuses = []
+        for rank, process in self.workers.items():
+            code = process.poll()
+            statuses.append(WorkerStatus(
+                rank=rank, local_rank=self.local_ranks[rank], pid=process.pid, generation=self.generation,
+                state=WORKER_RUNNING if code is None else WORKER_EXITED,
+                exitcode=code, signal=signal_name(code)))
+        return statuses
+
+    def _start_workers(self, order: Order) -> None:
+        self._stop_workers(grace=0.0)
+        self.generation = order.generation
+        master_addr, _ = parse_address(self.controller_address)
+        self.local_ranks = {rank: local for local, rank in enumerate(order.ranks)}
+        log_dir = self.run_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for rank in order.ranks:
+            env = dict(os.environ)
+            env.update({
+                "RANK": str(rank),
+                "LOCAL_RANK": str(self.local_ranks[rank]),
+                "WORLD_SIZE": str(order.world_size),
+                "LOCAL_WORLD_SIZE": str(len(order.ranks)),
+                "GROUP_RANK": str(self.node),
+                "ROLE_RANK": str(rank),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(order.store_port),
+                "TORCHELASTIC_RESTART_COUNT": str(order.restart_count),
+                ENV_CONTROLLER: self.controller_address,
+                ENV_TOKEN: self.token,
+                ENV_JOB_ID: self.job_id,
+                ENV_GENERATION: str(order.generation),
+                ENV_NODE: str(self.node),
+                ENV_RUN_DIR: str(self.run_dir),
+                ENV_SPEC: self.spec.model_dump_json(),
+                ENV_INJECT: self.injections_text,
+                ENV_RESTART_COUNT: str(order.restart_count),
+                ENV_STORE_PREFIX: f"undying/{self.job_id}",
+            })
+            env.pop(ENV_DIE_WITH_PARENT, None)
+            log = open(log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115 - handed to the child
+            log.write(f"--- generation {order.generation} ---\n".encode())
+            log.flush()
+            self.workers[rank] = subprocess.Popen(
+                self.command, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            log.close()
+
+    def _stop_workers(self, grace: float) -> None:
+        stop_processes(list(self.workers.values()), grace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="undying-agent", description="undying node agent (started by undying run)")
+    parser.add_argument("--node", type=int, required=True)
+    parser.add_argument("--controller", required=True)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if os.environ.get(ENV_DIE_WITH_PARENT) == "1":
+        die_with_parent()
+    spec = spec_from_json(os.environ[ENV_SPEC])
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    agent = Agent(args.node, spec, args.controller, os.environ[ENV_TOKEN], Path(args.run_dir), command,
+                  os.environ.get(ENV_INJECT, ""))
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The ``undying`` command: run, demo, report, status.
+
+Runs in the user's shell process. Every bad input ends in one line
+``undying: error: ...`` and exit code 2, before anything is started or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+from undying.config import SpecError, load_job_spec
+from undying.inject import InjectionSpecError, check_targets, encode, parse_injections
+
+EXIT_USAGE = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
+
+
+def fail(message: str) -> NoReturn:
+    print(f"undying: error: {message}", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
+
+
+def parse_nnodes(text: str) -> tuple[int | None, int]:
+    """torchrun's ``--nnodes N`` or ``--nnodes MIN:MAX``."""
+    low, sep, high = text.partition(":")
+    try:
+        if sep:
+            return int(low), int(high)
+        return None, int(text)
+    except ValueError:
+        fail(f"--nnodes: expected N or MIN:MAX with integers (got {text!r})")
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            fail(f"--set: expected KEY=VALUE (got {item!r})")
+        import yaml
+
+        overrides[key.replace("-", "_")] = yaml.safe_load(value)
+    return overrides
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nnodes", default=None, help="nodes (N or MIN:MAX); default 1")
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=None,
+                        help="workers per node; default 1")
+    parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
+                        help="this node's rank (multi-node); omit to simulate every node on this machine")
+    parser.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=None,
+                        help="job-level restarts before giving up (default 32767)")
+    parser.add_argument("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float,
+                        default=None, help="seconds between agent checks of its workers (default 5)")
+    parser.add_argument("--config", help="job spec YAML")
+    parser.add_argument("--run-dir", help="where events.jsonl, logs, checkpoints and result.json go")
+    parser.add_argument("--controller", help="HOST:PORT of the controller (node 0 binds its port; others join)")
+    parser.add_argument("--controller-bind", default="127.0.0.1",
+                        help="address the controller and its store listen on (default loopback only)")
+    parser.add_argument("--token-file", help="file holding the job's secret token (multi-node)")
+    parser.add_argument("--recover-strategy", help="comma list: retry, recover-in-place, recover, "
+                        "elastic-training, dump, exit")
+    parser.add_argument("--checkpoint-dir", help="checkpoint directory (default RUN_DIR/checkpoints)")
+    parser.add_argument("--checkpoint-interval", type=int, help="steps between periodic checkpoints")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any job-spec field, e.g. --set heartbeat_timeout=3 (repeatable)")
+    parser.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                        help="fault to inject: kill:rank=R:step=S, node:node=N:step=S, hang:rank=R:step=S, "
+                             "raise:rank=R:step=S (repeatable)")
+    parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a Python module (python -m)")
+    parser.add_argument("--no-python", action="store_true", help="run SCRIPT as an executable, not via python")
+    parser.add_argument("--quiet", action="store_true", help="do not print job events")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="undying", description="Fault-tolerant, resumable distributed training for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    run = commands.add_parser("run", help="launch a training script on every node, with recovery")
+    add_run_arguments(run)
+    run.add_argument("script", help="training script (or module with -m)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    demo = commands.add_parser("demo", help="train a small GPT on 2 simulated nodes, kill a worker, show recovery")
+    demo.add_argument("--run-dir", default=None)
+    demo.add_argument("--steps", type=int, default=60)
+    demo.add_argument("--inject", default="kill:rank=1:step=25")
+    demo.add_argument("--no-compare", action="store_true", help="skip the fault-free reference run")
+    report = commands.add_parser("report", help="summarize a run and draw its timeline (SVG)")
+    report.add_argument("run_dir")
+    report.add_argument("-o", "--output", help="SVG path (default RUN_DIR/timeline.svg)")
+    status = commands.add_parser("status", help="ask a running job's controller for its status")
+    status.add_argument("--controller", required=True)
+    status.add_argument("--token-file", required=True)
+    return parser
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
+
+
+def read_token(path: str | None) -> str | None:
+    if path is None:
+        return os.environ.get("UNDYING_TOKEN") or None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as error:
+        fail(f"--token-file: cannot read {path}: {error.strerror}")
+    if len(token) < 16:
+        fail(f"--token-file: the token in {path} is shorter than 16 characters")
+    return token
+
+
+def worker_command(args: argparse.Namespace) -> list[str]:
+    if args.no_python:
+        return [args.script, *args.script_args]
+    if args.module:
+        return [sys.executable, "-u", "-m", args.script, *args.script_args]
+    if not Path(args.script).is_file():
+        fail(f"script {args.script!r} not found")
+    return [sys.executable, "-u", args.script, *args.script_args]
+
+
+def command_run(args: argparse.Namespace) -> int:
+    from undying.launcher import LaunchOptions, launch
+
+    overrides: dict[str, Any] = parse_set(args.set)
+    if args.nnodes is not None:
+        overrides["min_nodes"], overrides["nnodes"] = parse_nnodes(args.nnodes)
+    for key in ("nproc_per_node", "max_restarts", "monitor_interval"):
+        overrides[key] = getattr(args, key)
+    overrides["recover_strategy"] = args.recover_strategy
+    overrides["checkpoint.dir"] = args.checkpoint_dir
+    overrides["checkpoint.interval"] = args.checkpoint_interval
+    try:
+        spec = load_job_spec(args.config, overrides)
+        injections = parse_injections(args.inject)
+        check_targets(injections, spec.world_size, spec.nnodes)
+    except (SpecError, InjectionSpecError) as error:
+        fail(str(error))
+    if args.node_rank is not None and not 0 <= args.node_rank < spec.nnodes:
+        fail(f"--node-rank: allowed 0..{spec.nnodes - 1} (got {args.node_rank})")
+    if args.node_rank is not None and spec.nnodes > 1 and not args.token_file:
+        fail("--token-file is required for a multi-node job (every node must hold the same secret)")
+    if args.node_rank is not None and args.node_rank > 0 and not args.controller:
+        fail("--controller HOST:PORT is required on nodes other than 0")
+    options = LaunchOptions(
+        spec=spec, command=worker_command(args), run_dir=Path(args.run_dir) if args.run_dir else default_run_dir(),
+        node_rank=args.node_rank, controller_address=args.controller, controller_bind=args.controller_bind,
+        token=read_token(args.token_file), injections_text=encode(injections), quiet=args.quiet)
+    return launch(options)
+
+
+def command_report(args: argparse.Namespace) -> int:
+    from undying.events import read_events
+    from undying.report import render_summary, summarize, write_report
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "events.jsonl").is_file() and not run_dir.is_file():
+        fail(f"{run_dir}: no events.jsonl here")
+    print(render_summary(summarize(read_events(run_dir))))
+    print(f"timeline: {write_report(run_dir, args.output)}")
+    return 0
+
+
+def command_status(args: argparse.Namespace) -> int:
+    from undying.client import ControllerClient, ControllerUnreachable, Unauthorized
+
+    token = read_token(args.token_file)
+    assert token is not None
+    try:
+        status = ControllerClient(args.controller, token).get("/status")
+    except (ControllerUnreachable, Unauthorized, ValueError) as error:
+        print(f"undying: error: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        return command_run(args)
+    if args.command == "demo":
+        from undying.demo import run_demo
+
+        return run_demo(args)
+    if args.command == "report":
+        return command_report(args)
+    if args.command == "status":
+        return command_status(args)
+    fail(f"unknown command {args.command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""HTTP client for the controller's endpoint, used by agents, workers and the CLI.
+
+Every request carries the job token; connection errors surface as
+``ControllerUnreachable`` so callers decide whether to retry or give up.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import Any
+
+from undying.protocol import PROTOCOL_VERSION, TOKEN_HEADER, TOKEN_SCHEME, VERSION_HEADER
+
+
+class ControllerUnreachable(ConnectionError):
+    """The controller did not answer (down, restarting, or the network is cut)."""
+
+
+class Unauthorized(PermissionError):
+    """The controller refused the job token."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` -> (host, port); raises ValueError with the bad text."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"controller address must be HOST:PORT (got {address!r})")
+    return host.strip("[]"), int(port)
+
+
+class ControllerClient:
+    """Talks JSON to one controller. Not thread-safe: give each thread its own."""
+
+    def __init__(self, address: str, token: str, timeout: float = 10.0) -> None:
+        self.host, self.port = parse_address(address)
+        self.address = address
+        self.token = token
+        self.timeout = timeout
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        self._conn.timeout = timeout
+        if self._conn.sock is not None:
+            self._conn.sock.settimeout(timeout)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def request(self, method: str, path: str, payload: Any = None, timeout: float | None = None) -> Any:
+        """Send one request; returns the decoded JSON (or text for non-JSON replies)."""
+        body = None if payload is None else json.dumps(payload).encode()
+        headers = {
+            TOKEN_HEADER: f"{TOKEN_SCHEME} {self.token}",
+            VERSION_HEADER: str(PROTOCOL_VERSION),
+            "Content-Type": "application/json",
+        }
+        wait = self.timeout if timeout is None else timeout
+        for attempt in (0, 1):
+            conn = self._connection(wait)
+            try:
+                conn.request(method, path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read()
+                break
+            except (OSError, http.client.HTTPException) as error:
+                self.close()
+                # A kept-alive connection the server closed fails once; a second failure is real.
+                if attempt == 1:
+                    raise ControllerUnreachable(f"controller {self.address}: {error}") from error
+        if response.status == 401:
+            raise Unauthorized(f"controller {self.address} refused the job token")
+        if response.status >= 400:
+            raise ControllerUnreachable(f"controller {self.address}: HTTP {response.status}: {data[:200]!r}")
+        if response.getheader("Content-Type", "").startswith("application/json"):
+            return json.loads(data)
+        return data.decode()
+
+    def post(self, path: str, payload: Any, timeout: float | None = None) -> Any:
+        return self.request("POST", path, payload, timeout)
+
+    def get(self, path: str, timeout: float | None = None) -> Any:
+        return self.request("GET", path, None, timeout)

@@ -1,0 +1,146 @@
+"""The controller's HTTP endpoint: agent and worker RPCs, /status, /metrics, /events.
+
+Runs in the controller process, one thread per connection. Every route, reads
+included, needs ``Authorization: Bearer <job token>``; a request without it gets 401,
+is logged as an ``auth_refused`` event, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from undying import events as ev
+from undying.controller.core import Controller
+from undying.controller.metrics import render_metrics
+from undying.events import Event, read_events
+from undying.protocol import (
+    ROUTE_AGENT_HELLO,
+    ROUTE_AGENT_POLL,
+    ROUTE_EVENT,
+    ROUTE_EVENTS,
+    ROUTE_INJECT_CLAIM,
+    ROUTE_JOB_STOP,
+    ROUTE_METRICS,
+    ROUTE_STATUS,
+    ROUTE_WORKER_HEARTBEAT,
+    TOKEN_HEADER,
+    TOKEN_SCHEME,
+    AgentHello,
+    AgentPoll,
+    Granted,
+    Heartbeat,
+    InjectionClaim,
+)
+
+MAX_BODY = 1 << 20
+
+
+class ControllerServer:
+    """Serves one Controller on (host, port); port 0 picks a free one."""
+
+    def __init__(self, controller: Controller, token: str, host: str, port: int = 0) -> None:
+        self.controller = controller
+        self.token = token
+        handler = _make_handler(self)
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.host = host
+        self.port: int = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="controller-http", daemon=True)
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def authorized(self, header: str | None) -> bool:
+        if not header or not header.startswith(TOKEN_SCHEME + " "):
+            return False
+        return hmac.compare_digest(header[len(TOKEN_SCHEME) + 1:].encode(), self.token.encode())
+
+
+def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
+    controller = server.controller
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base-class signature
+            return
+
+        def _reply(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _json(self, payload: Any, status: int = 200) -> None:
+            self._reply(status, json.dumps(payload).encode())
+
+        def _check_token(self) -> bool:
+            if server.authorized(self.headers.get(TOKEN_HEADER)):
+                return True
+            controller.events.emit(Event(kind=ev.AUTH_REFUSED, details={
+                "path": self.path, "method": self.command, "client": self.client_address[0]}))
+            self._json({"error": "unauthorized"}, 401)
+            return False
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server naming
+            if not self._check_token():
+                return
+            path, _, query = self.path.partition("?")
+            if path == ROUTE_STATUS:
+                self._json(controller.status())
+            elif path == ROUTE_METRICS:
+                self._reply(200, render_metrics(controller.status()), "text/plain; version=0.0.4")
+            elif path == ROUTE_EVENTS:
+                since = int(query.split("since=")[1]) if "since=" in query else 0
+                events = read_events(controller.events.path)[since:]
+                self._json([event.__dict__ for event in events])
+            else:
+                self._json({"error": "not found"}, 404)
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server naming
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY:
+                self._json({"error": "body too large"}, 413)
+                return
+            body = self.rfile.read(length) if length else b""
+            if not self._check_token():
+                return
+            try:
+                payload = json.loads(body) if body else {}
+            except json.JSONDecodeError:
+                self._json({"error": "bad json"}, 400)
+                return
+            if self.path == ROUTE_AGENT_HELLO:
+                self._json(controller.hello(AgentHello.from_dict(payload)).to_dict())
+            elif self.path == ROUTE_AGENT_POLL:
+                self._json(controller.poll(AgentPoll.from_dict(payload)).to_dict())
+            elif self.path == ROUTE_WORKER_HEARTBEAT:
+                controller.heartbeat(Heartbeat.from_dict(payload))
+                self._json({"ok": True})
+            elif self.path == ROUTE_EVENT:
+                controller.worker_event(payload)
+                self._json({"ok": True})
+            elif self.path == ROUTE_INJECT_CLAIM:
+                self._json(Granted(controller.claim_injection(InjectionClaim.from_dict(payload))).to_dict())
+            elif self.path == ROUTE_JOB_STOP:
+                controller.cancel(str(payload.get("reason") or "stopped through the HTTP endpoint"))
+                self._json({"ok": True})
+            else:
+                self._json({"error": "not found"}, 404)
+
+    return Handler

@@ -1,0 +1,45 @@
+"""The job's states and the transitions the controller may make between them.
+
+Runs in the controller. Written as an explicit table so every state change is
+checked and logged in one place (compare torchelastic's WorkerState).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class JobState(enum.Enum):
+    WAITING_FOR_NODES = "waiting_for_nodes"  # not every node's agent has said hello yet
+    RUNNING = "running"  # the current generation trains
+    STOPPING = "stopping"  # a fault was seen; the generation's workers are being stopped
+    RESTARTING = "restarting"  # workers stopped; waiting for every node before the next generation
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.WAITING_FOR_NODES: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset(
+        {JobState.STOPPING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+    ),
+    JobState.STOPPING: frozenset({JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RESTARTING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def check_transition(current: JobState, target: JobState) -> None:
+    if target not in ALLOWED_TRANSITIONS[current]:
+        raise IllegalTransition(f"job state {current.value} -> {target.value} is not allowed")

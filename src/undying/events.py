@@ -1,0 +1,118 @@
+"""The job's event log: one JSON object per line in ``RUN_DIR/events.jsonl``.
+
+Written by the controller only (agents and workers send their events to it over
+HTTP), so the file has one writer and one order. Read by ``undying report``,
+``undying demo`` and the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+
+# Event kinds. Every event carries time, node, rank, step and generation where known.
+JOB_START = "job_start"
+JOB_END = "job_end"
+STRATEGY_SELECTED = "strategy_selected"
+AGENT_REGISTERED = "agent_registered"
+AGENT_LOST = "agent_lost"
+AGENT_RESPAWNED = "agent_respawned"
+GENERATION_START = "generation_start"
+WORKER_STARTED = "worker_started"
+WORKER_EXIT = "worker_exit"
+WORKER_READY = "worker_ready"
+HEARTBEAT = "heartbeat"
+FAULT_DETECTED = "fault_detected"
+DECISION = "decision"
+RESTART_BEGIN = "restart_begin"
+RESTART_END = "restart_end"
+CHECKPOINT_SAVE = "checkpoint_save"
+CHECKPOINT_LOAD = "checkpoint_load"
+CHECKPOINT_CORRUPT = "checkpoint_corrupt"
+FIRST_STEP = "first_step"
+INJECTION = "injection"
+AUTH_REFUSED = "auth_refused"
+WORKER_DONE = "worker_done"
+
+
+@dataclass
+class Event:
+    """One thing that happened in the job, at one place (node, rank) and one time."""
+
+    kind: str
+    time: float = field(default_factory=time.time)
+    node: int | None = None
+    rank: int | None = None
+    step: int | None = None
+    generation: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, default=str)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Event:
+        known = {k: data[k] for k in ("kind", "time", "node", "rank", "step", "generation") if k in data}
+        return cls(details=dict(data.get("details") or {}), **known)
+
+
+class EventLog:
+    """Appends events to a JSONL file; safe to call from many threads.
+
+    Each line is flushed as written, so a crash of the controller loses at most
+    the line being written, and readers may tail the file while the job runs.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(run_dir) / EVENTS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held for the job's life
+        self._listeners: list[Any] = []
+
+    def add_listener(self, callback: Any) -> None:
+        """Call ``callback(event)`` for every event emitted after this (e.g. a console printer)."""
+        self._listeners.append(callback)
+
+    def emit(self, event: Event) -> Event:
+        with self._lock:
+            self._file.write(event.to_json() + "\n")
+            self._file.flush()
+        for callback in self._listeners:
+            callback(event)
+        return event
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+
+
+def read_events(run_dir_or_file: str | os.PathLike[str]) -> list[Event]:
+    """Every complete event of a run, in file order (a torn last line is skipped)."""
+    return list(iter_events(run_dir_or_file))
+
+
+def iter_events(run_dir_or_file: str | os.PathLike[str]) -> Iterator[Event]:
+    path = Path(run_dir_or_file)
+    if path.is_dir():
+        path = path / EVENTS_FILE
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield Event.from_dict(json.loads(line))
+            except (json.JSONDecodeError, TypeError):
+                continue

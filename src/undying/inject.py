@@ -1,0 +1,108 @@
+"""Fault injection with real faults, for tests, demos and benchmarks.
+
+Syntax (``--inject``, may be repeated): ``KIND:key=value:key=value``
+
+- ``kill:rank=R:step=S``   SIGKILL worker R as it reaches step S
+- ``node:node=N:step=S``   SIGKILL node N's agent and all its workers at step S
+- ``hang:rank=R:step=S``   SIGSTOP worker R at step S (a hang, not a death)
+- ``raise:rank=R:step=S``  raise an exception inside step S on worker R
+
+Each injection fires at most once per job: the worker asks the controller to
+claim it first, so a replayed step after a restart does not fault again. Parsing
+runs in the CLI; firing runs in the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+KINDS = {"kill": "rank", "node": "node", "hang": "rank", "raise": "rank"}
+SYNTAX = "KIND:rank=R:step=S (KIND: kill, hang, raise) or node:node=N:step=S"
+
+
+class InjectionSpecError(ValueError):
+    """An --inject value that does not parse; the message is one line."""
+
+
+class InjectedFault(RuntimeError):
+    """The exception an ``raise`` injection throws inside the training step."""
+
+
+@dataclass(frozen=True)
+class Injection:
+    index: int
+    kind: str
+    step: int
+    rank: int | None = None
+    node: int | None = None
+
+    def text(self) -> str:
+        target = f"node={self.node}" if self.kind == "node" else f"rank={self.rank}"
+        return f"{self.kind}:{target}:step={self.step}"
+
+    def targets(self, rank: int, node: int, local_rank: int, step: int) -> bool:
+        """Does this injection fire in this worker at this step? (A node fault fires on local rank 0.)"""
+        if step != self.step:
+            return False
+        if self.kind == "node":
+            return node == self.node and local_rank == 0
+        return rank == self.rank
+
+
+def parse_injection(text: str, index: int = 0) -> Injection:
+    parts = text.strip().split(":")
+    kind = parts[0]
+    if kind not in KINDS:
+        raise InjectionSpecError(
+            f"--inject {text!r}: unknown kind {kind!r}; allowed: {', '.join(KINDS)} (syntax: {SYNTAX})"
+        )
+    values: dict[str, int] = {}
+    for part in parts[1:]:
+        key, sep, value = part.partition("=")
+        if not sep or key not in ("rank", "node", "step") or not value.lstrip("-").isdigit():
+            raise InjectionSpecError(f"--inject {text!r}: bad field {part!r}; syntax: {SYNTAX}")
+        values[key] = int(value)
+    target_key = KINDS[kind]
+    if "step" not in values or target_key not in values or set(values) != {"step", target_key}:
+        raise InjectionSpecError(f"--inject {text!r}: needs exactly {target_key}= and step=; syntax: {SYNTAX}")
+    if values["step"] < 0 or values[target_key] < 0:
+        raise InjectionSpecError(f"--inject {text!r}: {target_key} and step must be >= 0")
+    return Injection(index=index, kind=kind, step=values["step"], **{target_key: values[target_key]})
+
+
+def parse_injections(texts: list[str]) -> list[Injection]:
+    return [parse_injection(text, index) for index, text in enumerate(texts)]
+
+
+def encode(injections: list[Injection]) -> str:
+    return ";".join(injection.text() for injection in injections)
+
+
+def decode(text: str | None) -> list[Injection]:
+    if not text:
+        return []
+    return parse_injections([part for part in text.split(";") if part])
+
+
+def check_targets(injections: list[Injection], world_size: int, nnodes: int) -> None:
+    """Reject injections aimed at ranks or nodes the job does not have."""
+    for injection in injections:
+        if injection.kind == "node" and injection.node is not None and injection.node >= nnodes:
+            raise InjectionSpecError(f"--inject {injection.text()!r}: node must be < nnodes ({nnodes})")
+        if injection.rank is not None and injection.rank >= world_size:
+            raise InjectionSpecError(f"--inject {injection.text()!r}: rank must be < world size ({world_size})")
+
+
+def fire(injection: Injection) -> None:
+    """Carry out the fault in the calling worker. Does not return for kill, node and hang."""
+    if injection.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif injection.kind == "node":
+        # The agent leads the process group its workers share: this is the node dying at once.
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    elif injection.kind == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif injection.kind == "raise":
+        raise InjectedFault(f"injected fault {injection.text()}")

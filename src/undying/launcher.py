@@ -1,0 +1,210 @@
+"""``undying run``: starts the controller on node 0 and the node agents, and waits for the job.
+
+Runs in the ``undying run`` process. With ``--nnodes N`` and no ``--node-rank`` it
+simulates N nodes on this machine: one agent process per node, each leading its own
+process group (killing that group is a node dying), respawned when it dies as a
+rescheduled pod would be. With ``--node-rank R`` it is one node of a real
+multi-node job: node 0 hosts the controller and its own agent, the others run an
+agent that joins ``--controller HOST:PORT``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from undying import events as ev
+from undying.config import JobSpec
+from undying.controller import Controller, ControllerServer, JobStore
+from undying.events import Event, EventLog
+from undying.procs import die_with_parent, kill_group
+from undying.protocol import ENV_INJECT, ENV_SPEC, ENV_TOKEN
+from undying.strategies import describe_chain, effective_chain, unbuilt_strategies
+
+RESPAWN_DELAY = 0.2
+
+
+@dataclass
+class LaunchOptions:
+    spec: JobSpec
+    command: list[str]  # the worker command: python SCRIPT ARGS
+    run_dir: Path
+    node_rank: int | None = None  # None: simulate every node here
+    controller_address: str | None = None  # host:port to join (node_rank > 0) or to bind (node 0)
+    controller_bind: str = "127.0.0.1"
+    token: str | None = None
+    injections_text: str = ""
+    respawn_lost_nodes: bool = True
+    quiet: bool = False
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class LocalAgents:
+    """The agent processes this launcher started, and their respawning when one dies."""
+
+    def __init__(self, options: LaunchOptions, controller_address: str, token: str) -> None:
+        self.options = options
+        self.controller_address = controller_address
+        self.token = token
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self.controller: Controller | None = None
+        self._lock = threading.Lock()
+        self._closing = False
+
+    def start(self, node: int) -> None:
+        env = dict(os.environ)
+        env.update(self.options.extra_env)
+        env[ENV_TOKEN] = self.token
+        env[ENV_SPEC] = self.options.spec.model_dump_json()
+        env[ENV_INJECT] = self.options.injections_text
+        env["UNDYING_AGENT_DIE_WITH_PARENT"] = "1"
+        command = [sys.executable, "-m", "undying.agent", "--node", str(node),
+                   "--controller", self.controller_address, "--run-dir", str(self.options.run_dir),
+                   "--", *self.options.command]
+        log = open(self.options.run_dir / "logs" / f"agent{node}.log", "ab")  # noqa: SIM115 - child's
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True, preexec_fn=die_with_parent)
+        log.close()
+        with self._lock:
+            self.processes[node] = process
+        threading.Thread(target=self._watch, args=(node, process), name=f"watch-agent{node}", daemon=True).start()
+
+    def _watch(self, node: int, process: subprocess.Popen[bytes]) -> None:
+        returncode = process.wait()
+        # The workers die with their agent (same process group and PDEATHSIG); make sure of it.
+        kill_group(process.pid)
+        controller = self.controller
+        if self._closing or controller is None:
+            return
+        controller.report_agent_exit(node, returncode)
+        if self.options.respawn_lost_nodes and not controller.state.terminal:
+            time.sleep(RESPAWN_DELAY)
+            if not self._closing and not controller.state.terminal:
+                controller.emit(ev.AGENT_RESPAWNED, node=node, details={"previous_returncode": returncode})
+                self.start(node)
+
+    def kill_node(self, node: int) -> None:
+        """Called when the controller declares a node lost: make sure it is really gone."""
+        with self._lock:
+            process = self.processes.get(node)
+        if process is not None and process.poll() is None:
+            kill_group(process.pid)
+
+    def close(self, grace: float) -> None:
+        self._closing = True
+        deadline = time.time() + grace
+        with self._lock:
+            processes = list(self.processes.values())
+        for process in processes:
+            remaining = max(0.0, deadline - time.time())
+            try:
+                process.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                pass
+            kill_group(process.pid)
+            process.wait()
+
+
+def print_event(event: Event) -> None:
+    """Console view of the events a user cares about while the job runs."""
+    where = " ".join(part for part in (
+        f"node {event.node}" if event.node is not None else "",
+        f"rank {event.rank}" if event.rank is not None else "",
+        f"step {event.step}" if event.step is not None else "",
+        f"gen {event.generation}" if event.generation is not None else "") if part)
+    stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+    details = event.details
+    text = {
+        ev.FAULT_DETECTED: lambda: f"FAULT {details.get('description')}",
+        ev.DECISION: lambda: f"decision: {details.get('strategy')} ({details.get('reason')})",
+        ev.GENERATION_START: lambda: f"generation started, world size {details.get('world_size')}",
+        ev.CHECKPOINT_LOAD: lambda: f"loaded checkpoint of step {event.step} from {details.get('source')}",
+        ev.CHECKPOINT_CORRUPT: lambda: f"skipped corrupt checkpoint {details.get('path')}: {details.get('reason')}",
+        ev.FIRST_STEP: lambda: f"training again (resumed from step {details.get('resumed_from')})",
+        ev.INJECTION: lambda: f"injecting {details.get('spec')}",
+        ev.AGENT_LOST: lambda: f"node lost: {details.get('why')}",
+        ev.AGENT_RESPAWNED: lambda: "agent respawned (simulated node rescheduled)",
+        ev.JOB_END: lambda: f"job {details.get('outcome')}: {details.get('message')}",
+        ev.AUTH_REFUSED: lambda: f"refused a client without the job token ({details.get('client')})",
+    }.get(event.kind)
+    if text is not None and (event.kind != ev.CHECKPOINT_LOAD or event.rank == 0):
+        print(f"[undying {stamp}] {where}: {text()}", file=sys.stderr, flush=True)
+
+
+def launch(options: LaunchOptions) -> int:
+    """Run a whole job (or this node's part of it); returns the exit code for the CLI."""
+    if options.node_rank is not None and options.node_rank > 0:
+        return _run_remote_agent(options)
+    options.run_dir.mkdir(parents=True, exist_ok=True)
+    (options.run_dir / "logs").mkdir(exist_ok=True)
+    token = options.token or secrets.token_hex(16)
+    job_id = secrets.token_hex(6)
+    spec = options.spec
+    events = EventLog(options.run_dir)
+    if not options.quiet:
+        events.add_listener(print_event)
+    bind_port = 0
+    if options.controller_address:
+        from undying.client import parse_address
+        _, bind_port = parse_address(options.controller_address)
+    store = JobStore(options.controller_bind, timeout=spec.start_timeout)
+    agents_holder: list[LocalAgents] = []
+    controller = Controller(spec, events, job_id, store.port, options.injections_text,
+                            on_node_lost=lambda node: agents_holder[0].kill_node(node) if agents_holder else None)
+    server = ControllerServer(controller, token, options.controller_bind, bind_port)
+    server.start()
+    connect_host = "127.0.0.1" if options.controller_bind in ("0.0.0.0", "::") else options.controller_bind
+    agents = LocalAgents(options, f"{connect_host}:{server.port}" if ":" not in connect_host
+                         else f"[{connect_host}]:{server.port}", token)
+    agents.controller = controller
+    agents_holder.append(agents)
+    chain = [strategy.name for strategy in effective_chain(spec)]
+    controller.emit(ev.JOB_START, details={
+        "nnodes": spec.nnodes, "nproc_per_node": spec.nproc_per_node, "world_size": spec.world_size,
+        "strategies": list(spec.recover_strategy), "effective_strategy": chain,
+        "unbuilt_strategies": unbuilt_strategies(spec), "max_restarts": spec.max_restarts,
+        "controller": server.address, "store_port": store.port, "command": options.command,
+        "job_id": job_id, "pid": os.getpid()})
+    if not options.quiet:
+        print(f"[undying] job {job_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} worker(s), "
+              f"controller {server.address}, run dir {options.run_dir}", file=sys.stderr)
+        print(f"[undying] {describe_chain(spec)}; max_restarts {spec.max_restarts}", file=sys.stderr, flush=True)
+
+    def on_signal(signum: int, frame: object) -> None:
+        controller.cancel(f"received {signal.Signals(signum).name}")
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    local_nodes = range(spec.nnodes) if options.node_rank is None else [0]
+    try:
+        for node in local_nodes:
+            agents.start(node)
+        exit_code = controller.run()
+    finally:
+        agents.close(grace=5.0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.stop()
+        events.close()
+    if exit_code != 0:
+        print(f"undying: job {controller.state.value}: {controller.message}", file=sys.stderr)
+    return exit_code
+
+
+def _run_remote_agent(options: LaunchOptions) -> int:
+    from undying.agent import Agent
+
+    if not options.controller_address or not options.token:
+        print("undying: error: --node-rank > 0 needs --controller HOST:PORT and --token-file", file=sys.stderr)
+        return 2
+    options.run_dir.mkdir(parents=True, exist_ok=True)
+    assert options.node_rank is not None
+    agent = Agent(options.node_rank, options.spec, options.controller_address, options.token,
+                  options.run_dir, options.command, options.injections_text)
+    return agent.run()

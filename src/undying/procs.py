@@ -1,0 +1,70 @@
+"""Process helpers shared by the launcher and the agent: die-with-parent, signal names, stopping.
+
+Linux's PR_SET_PDEATHSIG makes a child die when the process that started it dies,
+so a SIGKILLed launcher or agent never leaves orphans training on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """preexec_fn for Popen: SIGKILL this child when its parent dies (Linux only; no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        return
+
+
+def signal_name(returncode: int | None) -> str | None:
+    """Popen's negative return code -> 'SIGKILL' etc.; None for a normal exit."""
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def stop_processes(processes: list[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM (when grace > 0), wait up to ``grace`` s, then SIGKILL whatever is left, and reap all."""
+    alive = [p for p in processes if p.poll() is None]
+    if grace > 0:
+        for process in alive:
+            _send(process, signal.SIGTERM)
+        deadline = time.time() + grace
+        while time.time() < deadline and any(p.poll() is None for p in alive):
+            time.sleep(0.02)
+    for process in alive:
+        if process.poll() is None:
+            _send(process, signal.SIGKILL)
+            # A SIGSTOPped process dies of SIGKILL too, but SIGCONT makes that immediate.
+            _send(process, signal.SIGCONT)
+    for process in alive:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group ``pid`` leads (a simulated node: an agent and its workers)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _send(process: subprocess.Popen[bytes], signum: int) -> None:
+    try:
+        process.send_signal(signum)
+    except ProcessLookupError:
+        pass

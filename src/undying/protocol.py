@@ -1,0 +1,144 @@
+"""Typed, versioned messages between the controller, the agents and the workers.
+
+Every message crosses a process boundary as JSON over HTTP (see ``client.py`` and
+``controller/server.py``); this module is the one place their shapes are defined.
+The routes and the environment contract between agent and worker live here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, TypeVar
+
+PROTOCOL_VERSION = 1
+
+# HTTP routes served by the controller. Every route needs the job token.
+ROUTE_AGENT_HELLO = "/v1/agent/hello"
+ROUTE_AGENT_POLL = "/v1/agent/poll"
+ROUTE_WORKER_HEARTBEAT = "/v1/worker/heartbeat"
+ROUTE_EVENT = "/v1/event"
+ROUTE_INJECT_CLAIM = "/v1/inject/claim"
+ROUTE_JOB_STOP = "/v1/job/stop"
+ROUTE_STATUS = "/status"
+ROUTE_METRICS = "/metrics"
+ROUTE_EVENTS = "/events"
+
+TOKEN_HEADER = "Authorization"
+TOKEN_SCHEME = "Bearer"
+VERSION_HEADER = "X-Undying-Protocol"
+
+# Environment the agent gives each worker, on top of torchrun's RANK, LOCAL_RANK,
+# WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK.
+ENV_CONTROLLER = "UNDYING_CONTROLLER"  # host:port of the controller's HTTP endpoint
+ENV_TOKEN = "UNDYING_TOKEN"  # the job's secret
+ENV_JOB_ID = "UNDYING_JOB_ID"
+ENV_GENERATION = "UNDYING_GENERATION"
+ENV_NODE = "UNDYING_NODE"
+ENV_RUN_DIR = "UNDYING_RUN_DIR"
+ENV_SPEC = "UNDYING_SPEC"  # the validated job spec as JSON
+ENV_INJECT = "UNDYING_INJECT"  # fault-injection specs, ";"-separated
+ENV_RESTART_COUNT = "UNDYING_RESTART_COUNT"
+ENV_STORE_PREFIX = "UNDYING_STORE_PREFIX"
+
+# Phases a worker reports in its heartbeat (ARCHITECTURE.md "A step is a transaction").
+PHASE_STARTING = "starting"
+PHASE_COMPUTING = "computing"
+PHASE_UPDATING = "updating"
+PHASE_UPDATED = "updated"
+PHASE_CHECKPOINTING = "checkpointing"
+PHASE_DONE = "done"
+
+# Order kinds the controller gives an agent.
+ORDER_NONE = "none"
+ORDER_START = "start"
+ORDER_STOP = "stop"
+ORDER_EXIT = "exit"
+
+# Worker states as the agent sees them.
+WORKER_RUNNING = "running"
+WORKER_EXITED = "exited"
+
+M = TypeVar("M", bound="Message")
+
+
+class Message:
+    """Base of every message: plain dataclass <-> dict, unknown keys ignored (forward compatible)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls: type[M], data: dict[str, Any]) -> M:
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class AgentHello(Message):
+    node: int
+    pid: int
+    hostname: str
+    nproc: int
+
+
+@dataclass
+class HelloReply(Message):
+    job_id: str
+    store_port: int
+    accepted: bool = True
+    reason: str = ""
+
+
+@dataclass
+class WorkerStatus(Message):
+    rank: int
+    local_rank: int
+    pid: int
+    generation: int
+    state: str  # WORKER_RUNNING or WORKER_EXITED
+    exitcode: int | None = None
+    signal: str | None = None
+
+
+@dataclass
+class AgentPoll(Message):
+    node: int
+    generation: int  # the generation the agent's workers belong to (0: none started)
+    workers: list[dict[str, Any]] = field(default_factory=list)  # WorkerStatus dicts
+    wait: float = 1.0  # seconds the controller may hold the request open
+
+
+@dataclass
+class Order(Message):
+    kind: str = ORDER_NONE
+    generation: int = 0
+    ranks: list[int] = field(default_factory=list)
+    world_size: int = 0
+    store_port: int = 0
+    restart_count: int = 0
+    reason: str = ""
+
+
+@dataclass
+class Heartbeat(Message):
+    rank: int
+    node: int
+    generation: int
+    step: int  # committed steps so far
+    phase: str
+    pid: int
+    loss: float | None = None
+
+
+@dataclass
+class InjectionClaim(Message):
+    index: int
+    rank: int
+    node: int
+    generation: int
+    step: int
+
+
+@dataclass
+class Granted(Message):
+    granted: bool

@@ -1,0 +1,98 @@
+"""Gradient sync with a fixed layout: DDP semantics whose float sums replay bit for bit.
+
+Runs in the worker. Stock DDP rebuilds its buckets after the first iteration, so the
+first step after a restart sums gradients in a different layout and the run
+diverges (ARCHITECTURE.md, "Measured facts"). Here the layout depends only on the
+parameter list: one flat buffer per dtype, parameters in registration order, plus
+one vote slot. Every replay of a step therefore sums every element in the same
+ring position and order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from undying.runtime.pg import GenerationGroup, flat_views
+
+
+class _Bucket:
+    """One flat buffer holding the gradients of all parameters of one dtype."""
+
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device, with_vote: bool) -> None:
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.vote_index = numel if with_vote else None
+        self.flat = torch.zeros(numel + (1 if with_vote else 0), dtype=params[0].dtype, device=device)
+        self.views = flat_views(params, self.flat[:numel])
+
+
+class FixedLayoutDDP(torch.nn.Module):
+    """Wraps a model so gradients are averaged over the current data-parallel world.
+
+    Guarantees: after ``sync_gradients()`` every rank holds the same averaged
+    gradients, computed in an order that depends only on the parameter list and
+    the world size (bitwise-reproducible replays). Parameters and buffers start
+    equal on every rank (broadcast from rank 0 at wrap time). Does not overlap
+    communication with the backward pass; the sync happens once, at ``opt.step()``.
+    A parameter without a gradient on a rank contributes zeros.
+    """
+
+    def __init__(self, module: torch.nn.Module, group_of: Callable[[], GenerationGroup],
+                 device: torch.device) -> None:
+        super().__init__()
+        self.module = module
+        self._group_of = group_of
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("wrap_model: the model has no parameters that require gradients")
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for param in params:
+            by_dtype.setdefault(param.dtype, []).append(param)
+        self._buckets = [_Bucket(group, device, with_vote=(index == 0))
+                         for index, group in enumerate(by_dtype.values())]
+        self.sync_parameters()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def sync_parameters(self, root: int = 0) -> None:
+        """Make every rank's parameters and buffers equal to ``root``'s."""
+        group = self._group_of()
+        tensors = [p.data for p in self.module.parameters()] + list(self.module.buffers())
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        for same_dtype in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in same_dtype])
+            group.broadcast(flat, root)
+            for tensor, view in zip(same_dtype, flat_views(same_dtype, flat), strict=True):
+                tensor.copy_(view)
+
+    @torch.no_grad()
+    def sync_gradients(self, vote_ok: bool = True) -> bool:
+        """Average gradients over the world; returns True iff every rank voted its step ok."""
+        group = self._group_of()
+        world_size = group.world_size
+        all_ok = True
+        for bucket in self._buckets:
+            for param, view in zip(bucket.params, bucket.views, strict=True):
+                if param.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(param.grad)
+            if bucket.vote_index is not None:
+                bucket.flat[bucket.vote_index] = 1.0 if vote_ok else 0.0
+            group.allreduce_sum(bucket.flat)
+            if bucket.vote_index is not None:
+                all_ok = int(bucket.flat[bucket.vote_index].item()) == world_size
+            bucket.flat.div_(world_size)
+            for param, view in zip(bucket.params, bucket.views, strict=True):
+                if param.grad is None:
+                    param.grad = view.clone()
+                else:
+                    param.grad.copy_(view)
+        return all_ok

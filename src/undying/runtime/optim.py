@@ -1,0 +1,63 @@
+"""The optimizer wrapper that makes ``opt.step()`` the commit point of a step.
+
+Runs in the worker. ``step()`` first averages the gradients of every wrapped model
+(with each rank's vote folded into that all-reduce), and applies the update only
+if every rank's step succeeded. The heartbeat phase moves computing -> updating
+-> updated around it, so the controller knows which ranks hold a clean copy of
+which step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from undying.protocol import PHASE_UPDATED, PHASE_UPDATING
+
+
+class StepAborted(RuntimeError):
+    """Some rank could not complete this step; nobody applied it."""
+
+
+class CommitOptimizer:
+    """Wraps a torch optimizer; everything but ``step`` is the wrapped optimizer's own.
+
+    Give LR schedulers the original optimizer object: they act on its param_groups,
+    which this wrapper shares.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, sync_gradients: Callable[[], bool],
+                 set_phase: Callable[[str], None]) -> None:
+        self.optimizer = optimizer
+        self._sync_gradients = sync_gradients
+        self._set_phase = set_phase
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        if not self._sync_gradients():
+            raise StepAborted("a rank voted against this step; the update was not applied")
+        self._set_phase(PHASE_UPDATING)
+        result = self.optimizer.step(closure)
+        self._set_phase(PHASE_UPDATED)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)

@@ -1,0 +1,103 @@
+"""The worker's line to the controller: a heartbeat thread and synchronous event sends.
+
+Runs in the worker. The heartbeat thread sends (step, phase) every
+``heartbeat_interval``; it stops when the process is stopped or dead, which is how
+the controller tells a hang (SIGSTOP) from slow progress. Events go out at once
+from the calling thread so that, e.g., an injection is logged before the fault.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from undying.client import ControllerClient, ControllerUnreachable
+from undying.events import Event
+from undying.protocol import (
+    ROUTE_EVENT,
+    ROUTE_INJECT_CLAIM,
+    ROUTE_WORKER_HEARTBEAT,
+    Granted,
+    Heartbeat,
+    InjectionClaim,
+)
+
+PROGRESS_MIN_SPACING = 0.1  # seconds between two heartbeats, however fast steps go
+
+
+class Reporter:
+    """Heartbeats and events of one worker. With no controller (standalone runs) it only prints."""
+
+    def __init__(self, address: str | None, token: str, rank: int, node: int, generation: int,
+                 interval: float) -> None:
+        self.rank = rank
+        self.node = node
+        self.generation = generation
+        self.interval = interval
+        self.step = 0
+        self.phase = "starting"
+        self.loss: float | None = None
+        self._address = address
+        self._token = token
+        self._client = ControllerClient(address, token) if address else None
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._beat_forever, name="undying-heartbeat", daemon=True)
+        if address:
+            self._thread.start()
+
+    def update(self, step: int | None = None, phase: str | None = None, loss: float | None = None) -> None:
+        if step is not None and step != self.step:
+            self.step = step
+            # Progress goes out soon after it happens, so the controller's view of each rank's
+            # committed step is fresh when a fault strikes; the thread spaces the sends.
+            self._wake.set()
+        if phase is not None:
+            self.phase = phase
+        if loss is not None:
+            self.loss = loss
+
+    def beat_now(self) -> None:
+        self._wake.set()
+
+    def _beat_forever(self) -> None:
+        assert self._address is not None
+        client = ControllerClient(self._address, self._token, timeout=max(2.0, self.interval * 3))
+        while not self._closed:
+            beat = Heartbeat(self.rank, self.node, self.generation, self.step, self.phase, os.getpid(), self.loss)
+            try:
+                client.post(ROUTE_WORKER_HEARTBEAT, beat.to_dict())
+            except ControllerUnreachable:
+                pass
+            time.sleep(PROGRESS_MIN_SPACING)
+            self._wake.wait(self.interval)
+            self._wake.clear()
+        client.close()
+
+    def emit(self, kind: str, step: int | None = None, **details: Any) -> None:
+        event = Event(kind=kind, node=self.node, rank=self.rank, step=self.step if step is None else step,
+                      generation=self.generation, details=details)
+        if self._client is None:
+            print(f"[undying rank {self.rank}] {kind} step={event.step} {details}", file=sys.stderr)
+            return
+        try:
+            self._client.post(ROUTE_EVENT, event.__dict__)
+        except ControllerUnreachable as error:
+            print(f"[undying rank {self.rank}] could not send event {kind}: {error}", file=sys.stderr)
+
+    def claim_injection(self, index: int, step: int) -> bool:
+        if self._client is None:
+            return True
+        claim = InjectionClaim(index, self.rank, self.node, self.generation, step)
+        return Granted.from_dict(self._client.post(ROUTE_INJECT_CLAIM, claim.to_dict())).granted
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        if self._client is not None:
+            self._client.close()

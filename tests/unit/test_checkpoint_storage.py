@@ -1,0 +1,403 @@
+"""T2 checkpoint storage: round trips, atomic commit, and refusal of corrupt checkpoints."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from undying.checkpoint import (
+    MANIFEST_NAME,
+    CommittedCheckpoint,
+    CorruptCheckpoint,
+    FileRecord,
+    Manifest,
+    checkpoint_dirname,
+    commit,
+    latest_verified,
+    list_committed,
+    load_object,
+    prune,
+    remove_stale_partials,
+    save_object,
+    staging_dir,
+    verify,
+)
+
+WORLD_SIZE = 2
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank}.pt"
+
+
+def write_checkpoint(
+    root: Path, step: int, generation: int = 0, keep: int | None = None
+) -> CommittedCheckpoint:
+    """The worker protocol in one process: every rank saves, rank 0 commits."""
+    staging = staging_dir(root, step, generation)
+    records = [
+        save_object(
+            staging, rank_file(rank), {"step": step, "rank": rank, "weights": torch.full((64,), step)}
+        )
+        for rank in range(WORLD_SIZE)
+    ]
+    return commit(
+        root,
+        staging,
+        step=step,
+        generation=generation,
+        world_size=WORLD_SIZE,
+        files=records,
+        meta={"step": step},
+        keep=keep,
+    )
+
+
+class CorruptLog:
+    """An ``on_corrupt`` callback that remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Path, str]] = []
+
+    def __call__(self, path: Path, reason: str) -> None:
+        self.calls.append((path, reason))
+
+
+def assert_falls_back(root: Path, bad_step: int, good_step: int, reason_part: str) -> None:
+    log = CorruptLog()
+    ckpt = latest_verified(root, on_corrupt=log)
+    assert ckpt is not None and ckpt.step == good_step
+    assert len(log.calls) == 1
+    path, reason = log.calls[0]
+    assert path == root / checkpoint_dirname(bad_step)
+    assert reason_part in reason, reason
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# ------------------------------------------------------------------- round trip
+
+
+def test_round_trip_of_tensors_and_rng_states(tmp_path: Path) -> None:
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    generator = np.random.default_rng(7)
+    state: dict[str, Any] = {
+        "model": {"weight": torch.randn(4, 3), "bias": torch.arange(3, dtype=torch.float64)},
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+        "numpy_generator": generator.bit_generator.state,
+        "torch_rng": torch.get_rng_state(),
+        "data_position": 1234,
+    }
+    expected_draws = (random.random(), np.random.rand(5), generator.random(5), torch.rand(5))
+
+    staging = staging_dir(str(tmp_path), 5, generation=1)
+    record = save_object(staging, "rank_0.pt", state)
+    assert record.checksum.startswith("crc32:") and len(record.checksum) == len("crc32:") + 8
+    assert record.size == (staging / "rank_0.pt").stat().st_size
+    ckpt = commit(tmp_path, staging, step=5, generation=1, world_size=1, files=[record], meta={"lr": 0.1})
+
+    assert ckpt.path == tmp_path / "step_000000005" and not staging.exists()
+    [listed] = list_committed(tmp_path)
+    assert listed.step == 5 and listed.manifest == ckpt.manifest
+    assert listed.manifest.meta == {"lr": 0.1} and listed.manifest.generation == 1
+
+    verified = latest_verified(tmp_path)
+    assert verified is not None
+    loaded = load_object(verified, "rank_0.pt")
+    assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+    assert torch.equal(loaded["model"]["bias"], state["model"]["bias"])
+    assert loaded["data_position"] == 1234
+
+    random.setstate(loaded["python_rng"])
+    np.random.set_state(loaded["numpy_rng"])
+    restored = np.random.default_rng()
+    restored.bit_generator.state = loaded["numpy_generator"]
+    torch.set_rng_state(loaded["torch_rng"])
+    assert random.random() == expected_draws[0]
+    assert np.array_equal(np.random.rand(5), expected_draws[1])
+    assert np.array_equal(restored.random(5), expected_draws[2])
+    assert torch.equal(torch.rand(5), expected_draws[3])
+
+
+def test_manifest_json_round_trip_normalises_meta() -> None:
+    manifest = Manifest(
+        step=3,
+        generation=2,
+        world_size=4,
+        files=[FileRecord("a.pt", 10, "crc32:0000abcd")],
+        meta={"nested": {"x": [1, 2]}},
+        created=1.5,
+    )
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    int_keys = Manifest(step=3, generation=2, world_size=4, files=[], meta={2: "a", 10: "b"}, created=1.5)
+    assert Manifest.from_json(int_keys.to_json()).meta == {"2": "a", "10": "b"}
+
+
+def test_checkpoint_dirname() -> None:
+    assert checkpoint_dirname(0) == "step_000000000"
+    assert checkpoint_dirname(123) == "step_000000123"
+    with pytest.raises(ValueError):
+        checkpoint_dirname(-1)
+
+
+# -------------------------------------------------------------------- atomicity
+
+
+def test_uncommitted_staging_is_never_listed(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10)
+    staging = staging_dir(tmp_path, 20, generation=0)
+    save_object(staging, rank_file(0), {"x": 1})
+    # Even a manifest-looking file inside a partial does not make it a checkpoint.
+    (staging / MANIFEST_NAME).write_text("{}")
+
+    assert [ckpt.step for ckpt in list_committed(tmp_path)] == [10]
+    log = CorruptLog()
+    assert latest_verified(tmp_path, on_corrupt=log).step == 10
+    assert log.calls == []
+
+
+def test_staging_dir_is_shared_by_concurrent_callers(tmp_path: Path) -> None:
+    first = staging_dir(tmp_path / "ckpt", 4, generation=2)
+    second = staging_dir(tmp_path / "ckpt", 4, generation=2)
+    assert first == second == tmp_path / "ckpt" / "step_000000004.g2.partial"
+    assert first.is_dir()
+
+
+def test_no_temp_files_remain_after_save(tmp_path: Path) -> None:
+    staging = staging_dir(tmp_path, 1, 0)
+    save_object(staging, "a.pt", [1, 2, 3])
+    assert sorted(p.name for p in staging.iterdir()) == ["a.pt"]
+
+
+def test_empty_root_has_no_checkpoint(tmp_path: Path) -> None:
+    assert list_committed(tmp_path / "missing") == []
+    assert latest_verified(tmp_path / "missing") is None
+
+
+def test_commit_with_missing_file_commits_nothing(tmp_path: Path) -> None:
+    staging = staging_dir(tmp_path, 7, 0)
+    record = save_object(staging, rank_file(0), {"x": 1})
+    ghost = FileRecord(rank_file(1), 10, "crc32:00000000")
+    with pytest.raises(CorruptCheckpoint, match="missing"):
+        commit(tmp_path, staging, step=7, generation=0, world_size=2, files=[record, ghost])
+    assert list_committed(tmp_path) == []
+    assert not (staging / MANIFEST_NAME).exists()
+
+
+def test_commit_with_wrong_size_commits_nothing(tmp_path: Path) -> None:
+    staging = staging_dir(tmp_path, 7, 0)
+    record = save_object(staging, rank_file(0), {"x": 1})
+    wrong = FileRecord(record.name, record.size + 1, record.checksum)
+    with pytest.raises(CorruptCheckpoint, match="size"):
+        commit(tmp_path, staging, step=7, generation=0, world_size=1, files=[wrong])
+    assert list_committed(tmp_path) == []
+
+
+def test_commit_rejects_a_staging_dir_of_another_step(tmp_path: Path) -> None:
+    staging = staging_dir(tmp_path, 7, 0)
+    record = save_object(staging, rank_file(0), {"x": 1})
+    with pytest.raises(ValueError):
+        commit(tmp_path, staging, step=8, generation=0, world_size=1, files=[record])
+
+
+def test_save_rejects_names_outside_the_directory(tmp_path: Path) -> None:
+    staging = staging_dir(tmp_path, 1, 0)
+    for name in ["../escape.pt", "sub/file.pt", "", MANIFEST_NAME, "x.tmp"]:
+        with pytest.raises(ValueError):
+            save_object(staging, name, 1)
+
+
+# -------------------------------------------------------------------- corruption
+
+
+def test_flipped_byte_falls_back_to_previous(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10)
+    bad = write_checkpoint(tmp_path, 20)
+    flip_byte(bad.path / rank_file(1), 100)
+    assert_falls_back(tmp_path, 20, 10, "checksum")
+
+
+def test_truncated_file_falls_back_to_previous(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10)
+    bad = write_checkpoint(tmp_path, 20)
+    path = bad.path / rank_file(0)
+    path.write_bytes(path.read_bytes()[:-10])
+    assert_falls_back(tmp_path, 20, 10, "size")
+
+
+def test_missing_data_file_falls_back_to_previous(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10)
+    bad = write_checkpoint(tmp_path, 20)
+    (bad.path / rank_file(1)).unlink()
+    assert_falls_back(tmp_path, 20, 10, "missing")
+
+
+def test_missing_manifest_falls_back_to_previous(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10)
+    bad = write_checkpoint(tmp_path, 20)
+    (bad.path / MANIFEST_NAME).unlink()
+    assert [ckpt.step for ckpt in list_committed(tmp_path)] == [10]
+    assert_falls_back(tmp_path, 20, 10, "manifest missing")
+
+
+def test_unparseable_manifest_falls_back_to_previous(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10)
+    bad = write_checkpoint(tmp_path, 20)
+    manifest = bad.path / MANIFEST_NAME
+    manifest.write_text(manifest.read_text()[:-20])
+    assert [ckpt.step for ckpt in list_committed(tmp_path)] == [10]
+    assert_falls_back(tmp_path, 20, 10, "bad manifest")
+
+
+def test_manifest_edit_that_keeps_valid_json_is_detected(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10)
+    bad = write_checkpoint(tmp_path, 20)
+    manifest = bad.path / MANIFEST_NAME
+    raw = json.loads(manifest.read_text())
+    raw["meta"]["step"] = 21
+    manifest.write_text(json.dumps(raw))
+    assert_falls_back(tmp_path, 20, 10, "manifest checksum")
+
+
+def test_manifest_naming_another_step_is_rejected(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10)
+    bad = write_checkpoint(tmp_path, 20)
+    bad.path.rename(tmp_path / checkpoint_dirname(30))
+    assert_falls_back(tmp_path, 30, 10, "does not match")
+
+
+def test_manifest_path_escape_is_rejected(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10)
+    bad = write_checkpoint(tmp_path, 20)
+    outside = tmp_path / "outside.pt"
+    outside.write_bytes(b"secret")
+    escaping = Manifest(
+        step=20,
+        generation=0,
+        world_size=1,
+        files=[FileRecord("../outside.pt", 6, "crc32:00000000")],
+        meta={},
+        created=0.0,
+    )
+    (bad.path / MANIFEST_NAME).write_text(escaping.to_json())
+    assert_falls_back(tmp_path, 20, 10, "invalid checkpoint file name")
+
+
+def test_symlink_out_of_the_directory_fails_verify(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path, 10)
+    target = tmp_path / "elsewhere.pt"
+    (ckpt.path / rank_file(0)).rename(target)
+    (ckpt.path / rank_file(0)).symlink_to(target)
+    with pytest.raises(CorruptCheckpoint, match="outside"):
+        verify(ckpt)
+
+
+def test_all_corrupt_gives_none(tmp_path: Path) -> None:
+    bad = write_checkpoint(tmp_path, 10)
+    flip_byte(bad.path / rank_file(0), 50)
+    log = CorruptLog()
+    assert latest_verified(tmp_path, on_corrupt=log) is None
+    assert [path for path, _ in log.calls] == [bad.path]
+
+
+def test_non_canonical_directory_names_are_ignored(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10)
+    for name in ["step_10", "step_0000000010", "step_000000010.old", "step_abcdefghi"]:
+        (tmp_path / name).mkdir()
+    (tmp_path / "step_000000011").write_text("a file, not a directory")
+    log = CorruptLog()
+    assert [ckpt.step for ckpt in list_committed(tmp_path)] == [10]
+    assert latest_verified(tmp_path, on_corrupt=log).step == 10
+    assert log.calls == []
+
+
+def test_load_object_never_unpickles_corrupt_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = write_checkpoint(tmp_path, 10)
+
+    def forbidden_load(*args: object, **kwargs: object) -> None:
+        pytest.fail("torch.load called on unverified bytes")
+
+    monkeypatch.setattr(torch, "load", forbidden_load)
+
+    flip_byte(ckpt.path / rank_file(0), 100)
+    with pytest.raises(CorruptCheckpoint, match="checksum"):
+        load_object(ckpt, rank_file(0))
+
+    path = ckpt.path / rank_file(1)
+    path.write_bytes(path.read_bytes() + b"extra")
+    with pytest.raises(CorruptCheckpoint, match="size"):
+        load_object(ckpt, rank_file(1))
+
+    path.unlink()
+    with pytest.raises(CorruptCheckpoint, match="missing"):
+        load_object(ckpt, rank_file(1))
+
+
+def test_load_object_of_unknown_name_raises_key_error(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path, 10)
+    with pytest.raises(KeyError):
+        load_object(ckpt, "rank_9.pt")
+
+
+# ------------------------------------------------------------ replace and clean
+
+
+def test_recommit_of_same_step_replaces_it(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10, generation=0)
+    staging = staging_dir(tmp_path, 10, generation=1)
+    record = save_object(staging, "only.pt", {"new": True})
+    commit(tmp_path, staging, step=10, generation=1, world_size=1, files=[record])
+
+    [ckpt] = list_committed(tmp_path)
+    assert ckpt.manifest.generation == 1
+    assert [r.name for r in ckpt.manifest.files] == ["only.pt"]
+    assert not (ckpt.path / rank_file(0)).exists()
+    assert load_object(latest_verified(tmp_path), "only.pt") == {"new": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000010"]
+
+
+def test_prune_keeps_the_newest(tmp_path: Path) -> None:
+    for step in (10, 20, 30, 40):
+        write_checkpoint(tmp_path, step)
+    live = staging_dir(tmp_path, 50, generation=0)
+    save_object(live, rank_file(0), 1)
+
+    removed = prune(tmp_path, keep=2)
+    assert sorted(removed) == [tmp_path / checkpoint_dirname(10), tmp_path / checkpoint_dirname(20)]
+    assert [ckpt.step for ckpt in list_committed(tmp_path)] == [40, 30]
+    assert (live / rank_file(0)).exists()
+    assert not any(p.name.endswith(".replaced") for p in tmp_path.iterdir())
+
+
+def test_commit_with_keep_prunes(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 4, 5):
+        write_checkpoint(tmp_path, step, keep=3)
+    assert [ckpt.step for ckpt in list_committed(tmp_path)] == [5, 4, 3]
+
+
+def test_remove_stale_partials(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 10, generation=1)
+    old = staging_dir(tmp_path, 20, generation=1)
+    current = staging_dir(tmp_path, 20, generation=2)
+    replaced = tmp_path / "step_000000010.g0.replaced"
+    replaced.mkdir()
+    (tmp_path / "unrelated").mkdir()
+
+    removed = remove_stale_partials(tmp_path, current_generation=2)
+    assert sorted(removed) == sorted([old, replaced])
+    assert current.is_dir() and (tmp_path / "unrelated").is_dir()
+    assert [ckpt.step for ckpt in list_committed(tmp_path)] == [10]
+    assert remove_stale_partials(tmp_path / "missing", 0) == []
