@@ -61,14 +61,15 @@ def parse_injection(text: str, index: int = 0) -> Injection:
     values: dict[str, int] = {}
     for part in parts[1:]:
         key, sep, value = part.partition("=")
-        if not sep or key not in ("rank", "node", "step") or not value.lstrip("-").isdigit():
+        if (not sep or key not in ("rank", "node", "step") or key in values
+                or not value.removeprefix("-").isdecimal()):
             raise InjectionSpecError(f"--inject {text!r}: bad field {part!r}; syntax: {SYNTAX}")
         values[key] = int(value)
     target_key = KINDS[kind]
     if "step" not in values or target_key not in values or set(values) != {"step", target_key}:
         raise InjectionSpecError(f"--inject {text!r}: needs exactly {target_key}= and step=; syntax: {SYNTAX}")
     if values["step"] < 0 or values[target_key] < 0:
-        raise InjectionSpecError(f"--inject {text!r}: {target_key} and step must be >= 0")
+        raise InjectionSpecError(f"--inject {text!r}: {target_key} and step must be >= 0; syntax: {SYNTAX}")
     return Injection(index=index, kind=kind, step=values["step"], **{target_key: values[target_key]})
 
 

@@ -59,6 +59,15 @@ class LocalAgents:
         self._closing = False
 
     def start(self, node: int) -> None:
+        """Start node's agent and a thread that respawns it whenever it dies (until the job ends).
+
+        The same thread spawns every later incarnation: PR_SET_PDEATHSIG fires when the
+        *thread* that forked a child exits, so a short-lived respawn thread would kill
+        the agent it just started.
+        """
+        threading.Thread(target=self._keep_alive, args=(node,), name=f"agent{node}", daemon=True).start()
+
+    def _spawn(self, node: int) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
         env.update(self.options.extra_env)
         env[ENV_TOKEN] = self.token
@@ -74,21 +83,25 @@ class LocalAgents:
         log.close()
         with self._lock:
             self.processes[node] = process
-        threading.Thread(target=self._watch, args=(node, process), name=f"watch-agent{node}", daemon=True).start()
+        return process
 
-    def _watch(self, node: int, process: subprocess.Popen[bytes]) -> None:
-        returncode = process.wait()
-        # The workers die with their agent (same process group and PDEATHSIG); make sure of it.
-        kill_group(process.pid)
-        controller = self.controller
-        if self._closing or controller is None:
-            return
-        controller.report_agent_exit(node, returncode)
-        if self.options.respawn_lost_nodes and not controller.state.terminal:
+    def _keep_alive(self, node: int) -> None:
+        process = self._spawn(node)
+        while True:
+            returncode = process.wait()
+            # The workers die with their agent (same process group and PDEATHSIG); make sure of it.
+            kill_group(process.pid)
+            controller = self.controller
+            if self._closing or controller is None:
+                return
+            controller.report_agent_exit(node, returncode)
+            if not self.options.respawn_lost_nodes or controller.state.terminal:
+                return
             time.sleep(RESPAWN_DELAY)
-            if not self._closing and not controller.state.terminal:
-                controller.emit(ev.AGENT_RESPAWNED, node=node, details={"previous_returncode": returncode})
-                self.start(node)
+            if self._closing or controller.state.terminal:
+                return
+            controller.emit(ev.AGENT_RESPAWNED, node=node, details={"previous_returncode": returncode})
+            process = self._spawn(node)
 
     def kill_node(self, node: int) -> None:
         """Called when the controller declares a node lost: make sure it is really gone."""

@@ -81,6 +81,7 @@ class RankRecord:
     phase: str = "starting"
     pid: int | None = None
     done: bool = False
+    done_at: float | None = None
     exitcode: int | None = None
 
 
@@ -175,8 +176,9 @@ class Controller:
             record.step = beat.step
             record.phase = beat.phase
             record.pid = beat.pid
-            if beat.phase == PHASE_DONE:
+            if beat.phase == PHASE_DONE and not record.done:
                 record.done = True
+                record.done_at = now
             if record.logged_step != beat.step and now - record.last_logged >= HEARTBEAT_LOG_EVERY:
                 record.last_logged = now
                 record.logged_step = beat.step
@@ -190,6 +192,8 @@ class Controller:
         event = Event.from_dict(data)
         with self._cond:
             if event.kind == ev.WORKER_DONE and event.rank in self.ranks and event.generation == self.generation:
+                if not self.ranks[event.rank].done:
+                    self.ranks[event.rank].done_at = time.time()
                 self.ranks[event.rank].done = True
                 self.ranks[event.rank].step = event.step or self.ranks[event.rank].step
         self.events.emit(event)
@@ -293,7 +297,12 @@ class Controller:
                 status = self.nodes[record.node].workers.get(record.rank)
                 return Fault("worker_exit", node=record.node, rank=record.rank, step=record.step,
                              exitcode=record.exitcode, signal=status.signal if status else None)
-            if record.done or record.exitcode == 0:
+            if record.exitcode == 0:
+                continue
+            if record.done:
+                # Said it finished but its process has not ended: stuck in teardown.
+                if record.done_at is not None and now - record.done_at > STOP_TIMEOUT:
+                    return Fault("exit_timeout", node=record.node, rank=record.rank, step=record.step)
                 continue
             if record.last_heartbeat is None:
                 if now - record.started_at > self.spec.start_timeout:

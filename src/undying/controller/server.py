@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -39,6 +40,17 @@ from undying.protocol import (
 MAX_BODY = 1 << 20
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that died mid-request (a killed agent or worker) is normal here.
+        error = sys.exc_info()[1]
+        if isinstance(error, (BrokenPipeError, ConnectionResetError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
+
 class ControllerServer:
     """Serves one Controller on (host, port); port 0 picks a free one."""
 
@@ -46,8 +58,7 @@ class ControllerServer:
         self.controller = controller
         self.token = token
         handler = _make_handler(self)
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _QuietServer((host, port), handler)
         self.host = host
         self.port: int = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="controller-http", daemon=True)
@@ -106,25 +117,38 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
             elif path == ROUTE_METRICS:
                 self._reply(200, render_metrics(controller.status()), "text/plain; version=0.0.4")
             elif path == ROUTE_EVENTS:
-                since = int(query.split("since=")[1]) if "since=" in query else 0
+                since_text = query.split("since=")[1].split("&")[0] if "since=" in query else "0"
+                if not since_text.isdecimal():
+                    self._json({"error": "since must be a non-negative integer"}, 400)
+                    return
+                since = int(since_text)
                 events = read_events(controller.events.path)[since:]
                 self._json([event.__dict__ for event in events])
             else:
                 self._json({"error": "not found"}, 404)
 
         def do_POST(self) -> None:  # noqa: N802 - http.server naming
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY:
-                self._json({"error": "body too large"}, 413)
-                return
-            body = self.rfile.read(length) if length else b""
             if not self._check_token():
+                self.close_connection = True
                 return
             try:
-                payload = json.loads(body) if body else {}
-            except json.JSONDecodeError:
-                self._json({"error": "bad json"}, 400)
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_BODY:
+                self.close_connection = True
+                self._json({"error": f"Content-Length must be 0..{MAX_BODY}"}, 413)
                 return
+            body = self.rfile.read(length) if length else b""
+            try:
+                payload = json.loads(body) if body else {}
+                if not isinstance(payload, dict):
+                    raise ValueError("body must be a JSON object")
+                self._route_post(payload)
+            except (ValueError, TypeError, KeyError) as error:
+                self._json({"error": f"bad request: {error}"}, 400)
+
+        def _route_post(self, payload: dict[str, Any]) -> None:
             if self.path == ROUTE_AGENT_HELLO:
                 self._json(controller.hello(AgentHello.from_dict(payload)).to_dict())
             elif self.path == ROUTE_AGENT_POLL:

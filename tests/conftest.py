@@ -1,0 +1,115 @@
+"""Shared fixtures: run ``undying run`` as a user would, and prove nothing was left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "gpt" / "train.py"
+MARK_ENV = "UNDYING_TEST_MARK"
+
+# The job every fault test runs: 2 simulated nodes x 2 workers, checkpoints every 10 steps.
+STEPS = 30
+BASE_ARGS = ["--nnodes", "2", "--nproc-per-node", "2", "--monitor-interval", "0.3",
+             "--checkpoint-interval", "10",
+             "--set", "heartbeat_interval=0.5", "--set", "heartbeat_timeout=4",
+             "--set", "node_return_timeout=60", "--set", "comm_timeout=20"]
+
+
+@dataclass
+class JobRun:
+    returncode: int
+    output: str
+    run_dir: Path
+    mark: str
+
+    @property
+    def result(self) -> dict:
+        return json.loads((self.run_dir / "result.json").read_text())
+
+    @property
+    def events(self) -> list:
+        from undying.events import read_events
+
+        return read_events(self.run_dir)
+
+    def kinds(self, kind: str) -> list:
+        return [event for event in self.events if event.kind == kind]
+
+    def logs(self) -> str:
+        parts = []
+        for log in sorted((self.run_dir / "logs").glob("*.log")):
+            parts.append(f"===== {log.name}\n{log.read_text()[-3000:]}")
+        return "\n".join(parts)
+
+
+def processes_with_mark(mark: str) -> list[int]:
+    """PIDs of live processes whose environment carries this test's mark."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            status = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if f"{MARK_ENV}={mark}".encode() in environ.split(b"\0") and ") Z " not in status:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_no_processes(mark: str, timeout: float = 10.0) -> list[int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        left = processes_with_mark(mark)
+        if not left:
+            return []
+        time.sleep(0.1)
+    return processes_with_mark(mark)
+
+
+def undying_command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "undying.cli", *args]
+
+
+def start_job(run_dir: Path, extra: list[str], steps: int = STEPS,
+              script_args: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, **{MARK_ENV: mark, "PYTHONUNBUFFERED": "1"})
+    command = undying_command(["run", *BASE_ARGS, "--run-dir", str(run_dir), *extra, str(EXAMPLE),
+                               "--steps", str(steps), *(script_args or [])])
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               cwd=REPO)
+    return process, mark
+
+
+def run_job(run_dir: Path, extra: list[str] | None = None, steps: int = STEPS, timeout: float = 240) -> JobRun:
+    process, mark = start_job(run_dir, extra or [], steps)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+        raise AssertionError(f"job did not finish in {timeout} s:\n{output}") from None
+    leftovers = wait_no_processes(mark)
+    assert not leftovers, f"processes left behind: {leftovers}"
+    return JobRun(process.returncode, output, run_dir, mark)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
+    """The fault-free run every recovered run must match bit for bit."""
+    run = run_job(tmp_path_factory.mktemp("reference"))
+    assert run.returncode == 0, run.output + run.logs()
+    return run

@@ -1,0 +1,108 @@
+"""Job-level restart with real processes and real faults: the final parameters must be
+bitwise equal to a fault-free run, and nothing may be left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import STEPS, JobRun, run_job, start_job, wait_no_processes
+from undying import events as ev
+
+pytestmark = pytest.mark.faults
+
+
+def assert_recovered_bitwise(run: JobRun, reference: JobRun, reason: str) -> None:
+    assert run.returncode == 0, run.output + run.logs()
+    faults = run.kinds(ev.FAULT_DETECTED)
+    assert faults and faults[0].details["reason"] == reason, [f.details for f in faults]
+    assert run.kinds(ev.DECISION)[0].details["strategy"] == "job-restart"
+    loads = [event for event in run.kinds(ev.CHECKPOINT_LOAD) if event.rank == 0]
+    assert loads and loads[-1].step == 10, "must resume from the step-10 checkpoint, not from scratch"
+    assert run.result["final_step"] == STEPS
+    assert run.result["param_sha256"] == reference.result["param_sha256"]
+
+
+def test_fault_free_runs_are_bitwise_identical(reference_run: JobRun, tmp_path: Path) -> None:
+    again = run_job(tmp_path)
+    assert again.returncode == 0, again.output + again.logs()
+    assert again.result["final_step"] == STEPS
+    assert again.result["param_sha256"] == reference_run.result["param_sha256"]
+    assert not again.kinds(ev.FAULT_DETECTED)
+
+
+def test_killed_worker_job_restarts_bitwise_equal(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, ["--inject", "kill:rank=1:step=15"])
+    assert_recovered_bitwise(run, reference_run, "worker_exit")
+    assert run.kinds(ev.FAULT_DETECTED)[0].details["signal"] == "SIGKILL"
+    assert run.kinds(ev.GENERATION_START)[-1].generation == 2
+
+
+def test_killed_node_job_restarts_bitwise_equal(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, ["--inject", "node:node=1:step=15"])
+    assert_recovered_bitwise(run, reference_run, "agent_lost")
+    assert run.kinds(ev.AGENT_RESPAWNED), "the lost node's agent must come back"
+
+
+def test_hung_worker_is_detected_and_restarted(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, ["--inject", "hang:rank=2:step=15"])
+    assert_recovered_bitwise(run, reference_run, "heartbeat_missed")
+
+
+def test_exception_in_step_restarts(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, ["--inject", "raise:rank=0:step=15"])
+    assert_recovered_bitwise(run, reference_run, "worker_exit")
+    assert run.kinds(ev.FAULT_DETECTED)[0].details["exitcode"] == 1
+
+
+def test_max_restarts_exhausted_fails_cleanly(tmp_path: Path) -> None:
+    run = run_job(tmp_path, ["--max-restarts", "1", "--inject", "kill:rank=1:step=5",
+                             "--inject", "kill:rank=2:step=12"])
+    assert run.returncode == 1, run.output
+    assert "max_restarts (1) exhausted" in run.output
+    end = run.kinds(ev.JOB_END)[-1]
+    assert end.details["outcome"] == "failed"
+    assert len(run.kinds(ev.FAULT_DETECTED)) == 2
+    assert not (tmp_path / "result.json").exists()
+
+
+def test_corrupt_newest_checkpoint_is_skipped(reference_run: JobRun, tmp_path: Path) -> None:
+    first = run_job(tmp_path, steps=20)
+    assert first.returncode == 0, first.output + first.logs()
+    newest = tmp_path / "checkpoints" / "step_000000020" / "train_state.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    (tmp_path / "result.json").unlink()
+    second = run_job(tmp_path)
+    assert second.returncode == 0, second.output + second.logs()
+    corrupt = second.kinds(ev.CHECKPOINT_CORRUPT)
+    assert corrupt and "step_000000020" in corrupt[0].details["path"]
+    loads = [event for event in second.kinds(ev.CHECKPOINT_LOAD) if event.rank == 0]
+    assert [event.step for event in loads] == [10]
+    assert second.result["param_sha256"] == reference_run.result["param_sha256"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_leaves_no_process(tmp_path: Path, signum: int) -> None:
+    process, mark = start_job(tmp_path, [], steps=100_000)
+    deadline = time.time() + 120
+    events_file = tmp_path / "events.jsonl"
+    while time.time() < deadline:
+        if events_file.exists() and '"kind": "heartbeat"' in events_file.read_text():
+            break
+        time.sleep(0.2)
+    else:
+        process.kill()
+        raise AssertionError("job never started training")
+    os.kill(process.pid, signum)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, output
+    assert wait_no_processes(mark) == []
+    from undying.events import read_events
+
+    assert read_events(tmp_path)[-1].kind == ev.JOB_END

@@ -1,0 +1,137 @@
+"""--inject parsing, its env-var round trip, target checks, and which worker an injection fires in."""
+
+from __future__ import annotations
+
+import pytest
+
+from undying.inject import (
+    SYNTAX,
+    InjectedFault,
+    Injection,
+    InjectionSpecError,
+    check_targets,
+    decode,
+    encode,
+    fire,
+    parse_injection,
+    parse_injections,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("kill:rank=1:step=5", Injection(0, "kill", 5, rank=1)),
+        ("hang:rank=0:step=0", Injection(0, "hang", 0, rank=0)),
+        ("raise:rank=3:step=12", Injection(0, "raise", 12, rank=3)),
+        ("node:node=1:step=7", Injection(0, "node", 7, node=1)),
+        ("kill:step=5:rank=1", Injection(0, "kill", 5, rank=1)),
+        ("  kill:rank=1:step=5\n", Injection(0, "kill", 5, rank=1)),
+    ],
+)
+def test_parse_each_kind(text, expected):
+    assert parse_injection(text) == expected
+
+
+def test_parse_keeps_the_index_and_text_round_trips():
+    texts = ["kill:rank=1:step=5", "node:node=0:step=9", "hang:rank=2:step=3", "raise:rank=0:step=1"]
+    injections = parse_injections(texts)
+    assert [injection.index for injection in injections] == [0, 1, 2, 3]
+    assert [injection.text() for injection in injections] == texts
+    for injection in injections:
+        assert parse_injection(injection.text(), injection.index) == injection
+
+
+def test_encode_decode_round_trip():
+    injections = parse_injections(["kill:rank=1:step=5", "node:node=1:step=2", "raise:rank=0:step=30"])
+    text = encode(injections)
+    assert text == "kill:rank=1:step=5;node:node=1:step=2;raise:rank=0:step=30"
+    assert decode(text) == injections
+
+
+def test_decode_of_nothing_is_no_injections():
+    assert decode(None) == []
+    assert decode("") == []
+    assert encode([]) == ""
+    assert decode(";kill:rank=0:step=1;;") == [Injection(0, "kill", 1, rank=0)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "explode:rank=0:step=1",
+        "KILL:rank=0:step=1",
+        "kill",
+        "kill:rank=0",
+        "kill:step=1",
+        "kill:rank:step=1",
+        "kill:rank=:step=1",
+        "kill:rank=x:step=1",
+        "kill:rank=1.5:step=1",
+        "kill:rank=+1:step=1",
+        "kill:rank=--1:step=1",
+        "kill:rank=\u00b2:step=1",
+        "kill:rank=0:step=1:step=2",
+        "kill:rank=0:step=1:node=0",
+        "kill:node=0:step=1",
+        "node:rank=0:step=1",
+        "node:node=0:rank=0:step=1",
+        "kill:rank=-1:step=1",
+        "kill:rank=0:step=-2",
+        "node:node=-1:step=0",
+        "kill: rank=0:step=1",
+        "kill:rank=0\n:step=1",
+    ],
+)
+def test_every_bad_spec_is_a_one_line_error_naming_the_syntax(text):
+    with pytest.raises(InjectionSpecError) as raised:
+        parse_injection(text)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("--inject ")
+    assert SYNTAX in message
+
+
+def test_a_bad_spec_among_many_is_reported():
+    with pytest.raises(InjectionSpecError, match="oops"):
+        parse_injections(["kill:rank=0:step=1", "oops"])
+
+
+def test_check_targets_accepts_what_the_job_has():
+    check_targets(parse_injections(["kill:rank=3:step=1", "node:node=1:step=1"]), world_size=4, nnodes=2)
+    check_targets([], world_size=1, nnodes=1)
+
+
+@pytest.mark.parametrize(
+    ("text", "limit"),
+    [("kill:rank=4:step=1", "rank must be < world size (4)"),
+     ("hang:rank=9:step=1", "rank must be < world size (4)"),
+     ("node:node=2:step=1", "node must be < nnodes (2)")],
+)
+def test_check_targets_refuses_ranks_and_nodes_the_job_lacks(text, limit):
+    with pytest.raises(InjectionSpecError) as raised:
+        check_targets(parse_injections(["kill:rank=0:step=1", text]), world_size=4, nnodes=2)
+    message = str(raised.value)
+    assert limit in message and text in message and "\n" not in message
+
+
+def test_a_rank_injection_fires_on_its_rank_at_its_step_only():
+    injection = parse_injection("kill:rank=3:step=5")
+    assert injection.targets(rank=3, node=1, local_rank=1, step=5)
+    assert not injection.targets(rank=3, node=1, local_rank=1, step=4)
+    assert not injection.targets(rank=3, node=1, local_rank=1, step=6)
+    assert not injection.targets(rank=2, node=1, local_rank=0, step=5)
+
+
+def test_a_node_injection_fires_on_its_nodes_local_rank_zero_only():
+    injection = parse_injection("node:node=1:step=7")
+    assert injection.targets(rank=2, node=1, local_rank=0, step=7)
+    assert not injection.targets(rank=3, node=1, local_rank=1, step=7)
+    assert not injection.targets(rank=0, node=0, local_rank=0, step=7)
+    assert not injection.targets(rank=2, node=1, local_rank=0, step=8)
+
+
+def test_a_raise_injection_raises_in_the_caller():
+    with pytest.raises(InjectedFault, match="raise:rank=0:step=2"):
+        fire(parse_injection("raise:rank=0:step=2"))
