@@ -54,12 +54,13 @@ def main() -> None:
 
     last_loss = None
     for step in ft.steps(args.steps):
-        x, y = next(loader)
-        _, loss = model(x.to(ft.device), y.to(ft.device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        last_loss = loss.item()
+        with step:  # optional: lets `retry` re-run a step that raised, without a process restart
+            x, y = next(loader)
+            _, loss = model(x.to(ft.device), y.to(ft.device))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            last_loss = loss.item()
         ft.log(loss=last_loss)
         if ft.is_main and step % args.log_every == 0:
             print(f"step {step:5d} | loss {last_loss:.4f}", flush=True)

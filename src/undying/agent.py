@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from undying.protocol import (
     ENV_GENERATION,
     ENV_INJECT,
     ENV_JOB_ID,
+    ENV_JOINING,
     ENV_NODE,
     ENV_RESTART_COUNT,
     ENV_RUN_DIR,
@@ -33,10 +35,12 @@ from undying.protocol import (
     ENV_STORE_PREFIX,
     ENV_TOKEN,
     ORDER_EXIT,
+    ORDER_REPLACE,
     ORDER_START,
     ORDER_STOP,
     ROUTE_AGENT_HELLO,
     ROUTE_AGENT_POLL,
+    ROUTE_AGENT_REPORT,
     WORKER_EXITED,
     WORKER_RUNNING,
     AgentHello,
@@ -77,6 +81,7 @@ class Agent:
         self.job_id = ""
         self.generation = 0
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.worker_generations: dict[int, int] = {}  # rank -> generation its process was started in
         self.local_ranks: dict[int, int] = {}
         self._stopping = False
 
@@ -138,6 +143,8 @@ class Agent:
                 self._hello()
             elif order.kind == ORDER_START:
                 self._start_workers(order)
+            elif order.kind == ORDER_REPLACE:
+                self._replace_workers(order)
             elif order.kind == ORDER_STOP:
                 self._stop_workers(grace=self._grace())
             elif order.kind == ORDER_EXIT:
@@ -154,51 +161,86 @@ class Agent:
 
     def _statuses(self) -> list[WorkerStatus]:
         statuses = []
-        for rank, process in self.workers.items():
+        for rank, process in list(self.workers.items()):
             code = process.poll()
             statuses.append(WorkerStatus(
-                rank=rank, local_rank=self.local_ranks[rank], pid=process.pid, generation=self.generation,
+                rank=rank, local_rank=self.local_ranks[rank], pid=process.pid,
+                generation=self.worker_generations[rank],
                 state=WORKER_RUNNING if code is None else WORKER_EXITED,
                 exitcode=code, signal=signal_name(code)))
         return statuses
 
     def _start_workers(self, order: Order) -> None:
+        """A new generation of the whole job: every worker of this node starts afresh."""
         self._stop_workers(grace=0.0)
+        self.workers = {}
+        self.worker_generations = {}
         self.generation = order.generation
-        master_addr, _ = parse_address(self.controller_address)
         self.local_ranks = {rank: local for local, rank in enumerate(order.ranks)}
+        for rank in order.ranks:
+            self._spawn(rank, order, joining=False)
+
+    def _replace_workers(self, order: Order) -> None:
+        """Process-level recovery: restart only these ranks; the node's other workers keep running."""
+        self.generation = max(self.generation, order.generation)
+        stop_processes([self.workers[rank] for rank in order.ranks if rank in self.workers], grace=0.0)
+        for rank in order.ranks:
+            if rank not in self.local_ranks:
+                self.local_ranks[rank] = rank % self.spec.nproc_per_node
+            self._spawn(rank, order, joining=True)
+
+    def _spawn(self, rank: int, order: Order, joining: bool) -> None:
+        master_addr, _ = parse_address(self.controller_address)
         log_dir = self.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        for rank in order.ranks:
-            env = dict(os.environ)
-            env.update({
-                "RANK": str(rank),
-                "LOCAL_RANK": str(self.local_ranks[rank]),
-                "WORLD_SIZE": str(order.world_size),
-                "LOCAL_WORLD_SIZE": str(len(order.ranks)),
-                "GROUP_RANK": str(self.node),
-                "ROLE_RANK": str(rank),
-                "MASTER_ADDR": master_addr,
-                "MASTER_PORT": str(order.store_port),
-                "TORCHELASTIC_RESTART_COUNT": str(order.restart_count),
-                ENV_CONTROLLER: self.controller_address,
-                ENV_TOKEN: self.token,
-                ENV_JOB_ID: self.job_id,
-                ENV_GENERATION: str(order.generation),
-                ENV_NODE: str(self.node),
-                ENV_RUN_DIR: str(self.run_dir),
-                ENV_SPEC: self.spec.model_dump_json(),
-                ENV_INJECT: self.injections_text,
-                ENV_RESTART_COUNT: str(order.restart_count),
-                ENV_STORE_PREFIX: f"undying/{self.job_id}",
-            })
-            env.pop(ENV_DIE_WITH_PARENT, None)
-            log = open(log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115 - handed to the child
-            log.write(f"--- generation {order.generation} ---\n".encode())
-            log.flush()
-            self.workers[rank] = subprocess.Popen(
-                self.command, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-            log.close()
+        env = dict(os.environ)
+        env.update({
+            "RANK": str(rank),
+            "LOCAL_RANK": str(self.local_ranks[rank]),
+            "WORLD_SIZE": str(order.world_size),
+            "LOCAL_WORLD_SIZE": str(self.spec.nproc_per_node),
+            "GROUP_RANK": str(self.node),
+            "ROLE_RANK": str(rank),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(order.store_port),
+            "TORCHELASTIC_RESTART_COUNT": str(order.restart_count),
+            ENV_CONTROLLER: self.controller_address,
+            ENV_TOKEN: self.token,
+            ENV_JOB_ID: self.job_id,
+            ENV_GENERATION: str(order.generation),
+            ENV_NODE: str(self.node),
+            ENV_RUN_DIR: str(self.run_dir),
+            ENV_SPEC: self.spec.model_dump_json(),
+            ENV_INJECT: self.injections_text,
+            ENV_RESTART_COUNT: str(order.restart_count),
+            ENV_STORE_PREFIX: f"undying/{self.job_id}",
+            ENV_JOINING: "1" if joining else "0",
+        })
+        env.pop(ENV_DIE_WITH_PARENT, None)
+        log = open(log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115 - handed to the child
+        log.write(f"--- generation {order.generation}{' (replacement)' if joining else ''} ---\n".encode())
+        log.flush()
+        process = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   preexec_fn=die_with_parent)
+        log.close()
+        self.workers[rank] = process
+        self.worker_generations[rank] = order.generation
+        threading.Thread(target=self._report_exit, args=(rank, process), name=f"wait-rank{rank}",
+                         daemon=True).start()
+
+    def _report_exit(self, rank: int, process: subprocess.Popen[bytes]) -> None:
+        """Tell the controller the moment a worker ends, instead of at the next monitor tick."""
+        process.wait()
+        if self._stopping or self.workers.get(rank) is not process:
+            return
+        status = [s.to_dict() for s in self._statuses() if s.rank == rank]
+        client = ControllerClient(self.controller_address, self.token, timeout=5.0)
+        try:
+            client.post(ROUTE_AGENT_REPORT, AgentPoll(self.node, self.generation, status, wait=0.0).to_dict())
+        except (ControllerUnreachable, Unauthorized):
+            pass  # the next poll carries the same status
+        finally:
+            client.close()
 
     def _stop_workers(self, grace: float) -> None:
         stop_processes(list(self.workers.values()), grace)

@@ -41,6 +41,16 @@ FIRST_STEP = "first_step"
 INJECTION = "injection"
 AUTH_REFUSED = "auth_refused"
 WORKER_DONE = "worker_done"
+STEP_FAILED = "step_failed"  # a worker left a step it could not complete (reason in details)
+RECOVERY_BEGIN = "recovery_begin"  # the controller starts a process-level recovery (strategy, new generation)
+RECOVERY_PLAN = "recovery_plan"  # the plan is published: target step, source replica, receivers
+RECOVERED = "recovered"  # a worker finished its part of a recovery (phase timings in details)
+RECOVERY_FAILED = "recovery_failed"  # a process-level recovery gave up; the chain falls back
+REPLACE = "replace"  # an agent was told to restart only some ranks
+RNG_NOT_MIRRORED = "rng_not_mirrored"
+DUMP_BEGIN = "dump_begin"
+DUMP_COMMITTED = "dump_committed"
+HANG_SUSPECTED = "hang_suspected"  # watchdog off/detect-only: a hang seen and, by configuration, not acted on
 
 
 @dataclass

@@ -7,6 +7,11 @@ Syntax (``--inject``, may be repeated): ``KIND:key=value:key=value``
 - ``hang:rank=R:step=S``   SIGSTOP worker R at step S (a hang, not a death)
 - ``raise:rank=R:step=S``  raise an exception inside step S on worker R
 
+``:at=recovery`` or ``:at=dump`` moves the fault from the start of a training step to the
+moment the worker starts its part of a recovery or of a dying checkpoint (then ``step=``
+is optional and, if given, is the step being recovered to): a second fault during the
+handling of the first.
+
 Each injection fires at most once per job: the worker asks the controller to
 claim it first, so a replayed step after a restart does not fault again. Parsing
 runs in the CLI; firing runs in the worker.
@@ -19,7 +24,8 @@ import signal
 from dataclasses import dataclass
 
 KINDS = {"kill": "rank", "node": "node", "hang": "rank", "raise": "rank"}
-SYNTAX = "KIND:rank=R:step=S (KIND: kill, hang, raise) or node:node=N:step=S"
+SYNTAX = "KIND:rank=R:step=S (KIND: kill, hang, raise) or node:node=N:step=S, optionally :at=recovery|dump"
+POINTS = ("step", "recovery", "dump")
 
 
 class InjectionSpecError(ValueError):
@@ -34,17 +40,20 @@ class InjectedFault(RuntimeError):
 class Injection:
     index: int
     kind: str
-    step: int
+    step: int | None
     rank: int | None = None
     node: int | None = None
+    at: str = "step"
 
     def text(self) -> str:
         target = f"node={self.node}" if self.kind == "node" else f"rank={self.rank}"
-        return f"{self.kind}:{target}:step={self.step}"
+        step = "" if self.step is None else f":step={self.step}"
+        point = "" if self.at == "step" else f":at={self.at}"
+        return f"{self.kind}:{target}{step}{point}"
 
     def targets(self, rank: int, node: int, local_rank: int, step: int) -> bool:
         """Does this injection fire in this worker at this step? (A node fault fires on local rank 0.)"""
-        if step != self.step:
+        if self.step is not None and step != self.step:
             return False
         if self.kind == "node":
             return node == self.node and local_rank == 0
@@ -59,18 +68,27 @@ def parse_injection(text: str, index: int = 0) -> Injection:
             f"--inject {text!r}: unknown kind {kind!r}; allowed: {', '.join(KINDS)} (syntax: {SYNTAX})"
         )
     values: dict[str, int] = {}
+    point = "step"
     for part in parts[1:]:
         key, sep, value = part.partition("=")
+        if key == "at" and sep and value in POINTS and "at" not in values:
+            point = value
+            values["at"] = 0
+            continue
         if (not sep or key not in ("rank", "node", "step") or key in values
                 or not value.removeprefix("-").isdecimal()):
             raise InjectionSpecError(f"--inject {text!r}: bad field {part!r}; syntax: {SYNTAX}")
         values[key] = int(value)
+    values.pop("at", None)
     target_key = KINDS[kind]
-    if "step" not in values or target_key not in values or set(values) != {"step", target_key}:
-        raise InjectionSpecError(f"--inject {text!r}: needs exactly {target_key}= and step=; syntax: {SYNTAX}")
-    if values["step"] < 0 or values[target_key] < 0:
+    required = {target_key} if point != "step" else {"step", target_key}
+    if not required <= set(values) or not set(values) <= {"step", target_key}:
+        needs = f"{target_key}= and step=" if point == "step" else f"{target_key}="
+        raise InjectionSpecError(f"--inject {text!r}: needs exactly {needs}; syntax: {SYNTAX}")
+    if any(value < 0 for value in values.values()):
         raise InjectionSpecError(f"--inject {text!r}: {target_key} and step must be >= 0; syntax: {SYNTAX}")
-    return Injection(index=index, kind=kind, step=values["step"], **{target_key: values[target_key]})
+    return Injection(index=index, kind=kind, step=values.get("step"), at=point,
+                     **{target_key: values[target_key]})
 
 
 def parse_injections(texts: list[str]) -> list[Injection]:

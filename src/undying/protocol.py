@@ -15,6 +15,8 @@ PROTOCOL_VERSION = 1
 # HTTP routes served by the controller. Every route needs the job token.
 ROUTE_AGENT_HELLO = "/v1/agent/hello"
 ROUTE_AGENT_POLL = "/v1/agent/poll"
+ROUTE_AGENT_REPORT = "/v1/agent/report"  # worker statuses only, sent the moment a worker exits
+ROUTE_WORKER_RECOVER = "/v1/worker/recover"  # a worker whose step failed checks in, waits for a plan
 ROUTE_WORKER_HEARTBEAT = "/v1/worker/heartbeat"
 ROUTE_EVENT = "/v1/event"
 ROUTE_INJECT_CLAIM = "/v1/inject/claim"
@@ -39,6 +41,7 @@ ENV_SPEC = "UNDYING_SPEC"  # the validated job spec as JSON
 ENV_INJECT = "UNDYING_INJECT"  # fault-injection specs, ";"-separated
 ENV_RESTART_COUNT = "UNDYING_RESTART_COUNT"
 ENV_STORE_PREFIX = "UNDYING_STORE_PREFIX"
+ENV_JOINING = "UNDYING_JOINING"  # "1": this worker replaces a lost rank in a live job
 
 # Phases a worker reports in its heartbeat (ARCHITECTURE.md "A step is a transaction").
 PHASE_STARTING = "starting"
@@ -47,12 +50,20 @@ PHASE_UPDATING = "updating"
 PHASE_UPDATED = "updated"
 PHASE_CHECKPOINTING = "checkpointing"
 PHASE_DONE = "done"
+PHASE_RECOVERING = "recovering"
 
 # Order kinds the controller gives an agent.
 ORDER_NONE = "none"
 ORDER_START = "start"
 ORDER_STOP = "stop"
 ORDER_EXIT = "exit"
+ORDER_REPLACE = "replace"  # restart only the listed ranks, as newcomers of the given generation
+
+# What a recovery plan asks the workers to do.
+PLAN_WAIT = "wait"  # not ready yet: ask again
+PLAN_RESUME = "resume"  # build the generation's group, repair, re-run the step in flight
+PLAN_DUMP = "dump"  # the source writes the committed state to storage, then the job restarts
+PLAN_EXIT = "exit"  # this process has no part in what comes next
 
 # Worker states as the agent sees them.
 WORKER_RUNNING = "running"
@@ -116,6 +127,40 @@ class Order(Message):
     world_size: int = 0
     store_port: int = 0
     restart_count: int = 0
+    reason: str = ""
+
+
+@dataclass
+class HeartbeatReply(Message):
+    ok: bool = True
+    abort_generation: int = 0  # the controller gave up on this generation: leave its collectives
+
+
+@dataclass
+class RecoverRequest(Message):
+    """A worker's check-in after its step failed (or, for a newcomer, on joining)."""
+
+    rank: int
+    node: int
+    generation: int  # the generation the worker is in (survivor: the failed one; newcomer: its new one)
+    committed_step: int
+    pid: int
+    reason: str = ""
+    newcomer: bool = False
+    wait: float = 5.0
+
+
+@dataclass
+class Plan(Message):
+    """What every rank does to leave a fault behind (ARCHITECTURE.md, "Recovery, step by step")."""
+
+    action: str = PLAN_WAIT
+    strategy: str = ""
+    generation: int = 0
+    world_size: int = 0
+    target_step: int = 0  # the committed step everyone resumes from
+    source_rank: int = 0  # a healthy replica holding target_step
+    receivers: list[int] = field(default_factory=list)  # ranks that get the state from the source
     reason: str = ""
 
 

@@ -2,35 +2,45 @@
 
 Runs in the controller. MindCluster's order is retry -> recover-in-place -> recover
 -> elastic-training -> dump -> exit, restricted to what the job enabled; job-level
-restart (all workers, from the last checkpoint) is the fallback under all of them,
-bounded by ``max_restarts``. A strategy that this version does not build yet is
-accepted in the spec and reported at start, and the chain skips it.
+restart (all workers, from the newest verified checkpoint) is the fallback under
+all of them, bounded by ``max_restarts``. A strategy this version does not build
+yet is accepted in the spec, reported at start, and skipped by the chain.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from undying.config import JobSpec
 
+RETRY = "retry"
+RECOVER_IN_PLACE = "recover-in-place"
+RECOVER = "recover"
+ELASTIC = "elastic-training"
+DUMP = "dump"
 JOB_RESTART = "job-restart"
 EXIT = "exit"
 
 # The process-level strategies, in MindCluster's order of preference.
-CHAIN_ORDER = ("retry", "recover-in-place", "recover", "elastic-training", "dump")
+CHAIN_ORDER = (RETRY, RECOVER_IN_PLACE, RECOVER, ELASTIC, DUMP)
+# Strategies that keep the healthy processes and rebuild the process group around them.
+PROCESS_LEVEL = (RETRY, RECOVER_IN_PLACE, RECOVER)
+# How often the same step may be retried in place before the chain moves on.
+MAX_RETRIES_PER_STEP = 2
 
 
 @dataclass(frozen=True)
 class Fault:
     """What the controller saw go wrong."""
 
-    reason: str  # worker_exit | agent_lost | heartbeat_missed | start_timeout
+    reason: str  # worker_exit | agent_lost | heartbeat_missed | start_timeout | exit_timeout | step_failed
     node: int | None = None
     rank: int | None = None
     step: int | None = None
     exitcode: int | None = None
     signal: str | None = None
+    detail: str = ""
 
     def describe(self) -> str:
         where = f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
@@ -41,6 +51,9 @@ class Fault:
             return f"node {self.node} lost (agent gone)"
         if self.reason == "heartbeat_missed":
             return f"{where} missed its heartbeats (hang?)"
+        if self.reason == "step_failed":
+            return f"{where} could not complete its step ({self.detail})" if self.detail else \
+                f"{where} could not complete its step"
         return f"{where}: {self.reason}"
 
 
@@ -50,6 +63,13 @@ class RecoveryContext:
 
     spec: JobSpec
     restart_count: int
+    alive_nodes: frozenset[int] = frozenset()
+    lost_ranks: frozenset[int] = frozenset()  # ranks whose process is gone or hung
+    retries_at_step: int = 0
+    excluded: frozenset[str] = field(default_factory=frozenset)  # strategies that already failed for this fault
+
+    def survivors(self) -> int:
+        return self.spec.world_size - len(self.lost_ranks)
 
 
 @dataclass(frozen=True)
@@ -65,15 +85,73 @@ class Strategy(Protocol):
         """None if this strategy can handle the fault, else why not (one short phrase)."""
 
 
+def _budget(context: RecoveryContext) -> str | None:
+    if context.restart_count >= context.spec.max_restarts:
+        return f"max_restarts ({context.spec.max_restarts}) exhausted"
+    return None
+
+
+class Retry:
+    """Re-run the failed step in the same processes after rebuilding the process group."""
+
+    name = RETRY
+
+    def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
+        if fault.reason != "step_failed" or context.lost_ranks:
+            return "a process is gone or hung"
+        if context.retries_at_step >= MAX_RETRIES_PER_STEP:
+            return f"step already retried {context.retries_at_step} times"
+        return _budget(context)
+
+
+class RecoverInPlace:
+    """Restart only the failed process, on its own node; everyone else keeps its memory."""
+
+    name = RECOVER_IN_PLACE
+
+    def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
+        if fault.reason == "agent_lost":
+            return "the node itself is lost"
+        if fault.node is not None and fault.node not in context.alive_nodes:
+            return "the failed rank's node is not alive"
+        if context.survivors() < 1:
+            return "no healthy replica holds the state"
+        return _budget(context)
+
+
+class Recover:
+    """Replace a lost node (pod rescheduling): only that node's processes start."""
+
+    name = RECOVER
+
+    def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
+        if fault.reason != "agent_lost":
+            return "not a lost node"
+        if context.spec.pod_rescheduling != "on":
+            return "pod_rescheduling is off"
+        if context.survivors() < 1:
+            return "no healthy replica holds the state"
+        return _budget(context)
+
+
+class Dump:
+    """The dying checkpoint: a healthy replica writes the committed state, then the job restarts."""
+
+    name = DUMP
+
+    def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
+        if context.survivors() * 2 <= context.spec.world_size:
+            return "no more than half of the ranks are healthy"
+        return _budget(context)
+
+
 class JobRestart:
     """Restart every worker on every node from the newest verified checkpoint."""
 
     name = JOB_RESTART
 
     def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
-        if context.restart_count >= context.spec.max_restarts:
-            return f"max_restarts ({context.spec.max_restarts}) exhausted"
-        return None
+        return _budget(context)
 
 
 class Exit:
@@ -86,12 +164,15 @@ class Exit:
 
 
 # Strategies this version carries out. The others are validated and reported, then skipped.
-BUILT: dict[str, Strategy] = {}
+BUILT: dict[str, Strategy] = {
+    RETRY: Retry(), RECOVER_IN_PLACE: RecoverInPlace(), RECOVER: Recover(), DUMP: Dump(),
+}
 
 
 def effective_chain(spec: JobSpec) -> list[Strategy]:
     """The strategies the controller will actually try, in order."""
-    chain: list[Strategy] = [BUILT[name] for name in CHAIN_ORDER if name in spec.recover_strategy and name in BUILT]
+    enabled = spec.recover_strategy if spec.process_recover else []
+    chain: list[Strategy] = [BUILT[name] for name in CHAIN_ORDER if name in enabled and name in BUILT]
     return [*chain, JobRestart(), Exit()]
 
 
@@ -111,6 +192,9 @@ def decide(fault: Fault, context: RecoveryContext) -> Decision:
     """Walk the chain; the first strategy that applies wins."""
     refusals = []
     for strategy in effective_chain(context.spec):
+        if strategy.name in context.excluded:
+            refusals.append(f"{strategy.name}: already failed")
+            continue
         why_not = strategy.applies(fault, context)
         if why_not is None:
             reason = "; ".join(refusals) if refusals else fault.describe()

@@ -1,10 +1,12 @@
 """The controller: membership, health, and the job's recovery state machine.
 
 One per job, in the ``undying run`` process of node 0. Agents say hello and long-poll
-for orders; workers send heartbeats, events and injection claims. ``Controller.run``
-is the single loop that looks at what was reported and decides (compare
-torchelastic's ``_invoke_run``): detect -> decide -> stop -> restart. Every decision
-is an event in the job's log.
+for orders; workers send heartbeats, events, injection claims and, when a step
+fails, their check-in for a recovery plan. ``Controller.run`` is the single loop that
+looks at what was reported and decides (compare torchelastic's ``_invoke_run``):
+detect -> decide (strategies.decide) -> a process-level recovery (only the failed
+processes restart, the others keep their memory), a dying checkpoint, or a
+job-level restart. Every decision is an event in the job's log.
 """
 
 from __future__ import annotations
@@ -18,25 +20,43 @@ from typing import Any
 
 from undying import events as ev
 from undying.config import JobSpec
+from undying.controller.recovery import ActiveRecovery
 from undying.controller.state import JobState, check_transition
 from undying.events import Event, EventLog
 from undying.protocol import (
     ORDER_EXIT,
     ORDER_NONE,
+    ORDER_REPLACE,
     ORDER_START,
     ORDER_STOP,
     PHASE_DONE,
+    PLAN_EXIT,
+    PLAN_WAIT,
     WORKER_EXITED,
     WORKER_RUNNING,
     AgentHello,
     AgentPoll,
     Heartbeat,
+    HeartbeatReply,
     HelloReply,
     InjectionClaim,
     Order,
+    Plan,
+    RecoverRequest,
     WorkerStatus,
 )
-from undying.strategies import EXIT, JOB_RESTART, Fault, RecoveryContext, decide
+from undying.strategies import (
+    DUMP,
+    EXIT,
+    JOB_RESTART,
+    PROCESS_LEVEL,
+    RECOVER,
+    RECOVER_IN_PLACE,
+    RETRY,
+    Fault,
+    RecoveryContext,
+    decide,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -46,6 +66,11 @@ STOP_TIMEOUT = 30.0
 # How long agents have to pick up their exit order at the end of the job.
 EXIT_GRACE = 10.0
 HEARTBEAT_LOG_EVERY = 0.5
+# A worker's own report that its step failed waits this long for the cause to show up
+# (a dead peer's exit, a lost node), so the decision is made on the real fault.
+STEP_FAILED_GRACE = 0.5
+# Faults that mean the rank's process is gone or no longer usable.
+PROCESS_FAULTS = ("worker_exit", "heartbeat_missed", "start_timeout", "exit_timeout")
 
 
 @dataclass
@@ -68,11 +93,11 @@ class NodeRecord:
 
 @dataclass
 class RankRecord:
-    """What the controller knows of one rank in the current generation."""
+    """What the controller knows of one rank's current process."""
 
     rank: int
     node: int
-    generation: int
+    spawn_generation: int  # the generation its process was started in (matches agent reports)
     started_at: float
     last_heartbeat: float | None = None
     last_logged: float = 0.0
@@ -83,6 +108,7 @@ class RankRecord:
     done: bool = False
     done_at: float | None = None
     exitcode: int | None = None
+    signal: str | None = None
 
 
 class Controller:
@@ -105,17 +131,23 @@ class Controller:
         self.on_node_lost = on_node_lost
         self.state = JobState.WAITING_FOR_NODES
         self.generation = 0
+        self.abort_generation = 0
         self.restart_count = 0
         self.exit_code: int | None = None
         self.message = ""
         self.nodes: dict[int, NodeRecord] = {}
         self.ranks: dict[int, RankRecord] = {}
+        self.recovery: ActiveRecovery | None = None
+        self.plans: dict[int, Plan] = {}  # generation -> the plan that formed it
         self.claimed_injections: set[int] = set()
         self.faults_total: collections.Counter[str] = collections.Counter()
+        self.retries: collections.Counter[int] = collections.Counter()  # step -> in-place retries
         self.started = time.time()
         self._state_deadline = 0.0
         self._finished_at: float | None = None
         self._pending_faults: list[Fault] = []
+        self._step_failures: list[tuple[float, Fault]] = []
+        self._reported_failures: set[tuple[int, int]] = set()  # (rank, generation) step failures seen
         self._cond = threading.Condition()
 
     # ---------------------------------------------------------------- reports in
@@ -147,11 +179,7 @@ class Controller:
             node = self.nodes.get(poll.node)
             if node is None or not node.alive:
                 return Order(kind=ORDER_NONE, reason="hello")
-            node.last_seen = time.time()
-            node.generation = poll.generation
-            for raw in poll.workers:
-                self._record_worker(node, WorkerStatus.from_dict(raw))
-            self._cond.notify_all()
+            self._take_statuses(node, poll.workers)
             while not node.orders and node.alive:
                 remaining = deadline - time.time()
                 if remaining <= 0:
@@ -166,11 +194,25 @@ class Controller:
                 self._cond.notify_all()
             return order
 
-    def heartbeat(self, beat: Heartbeat) -> None:
+    def report(self, poll: AgentPoll) -> None:
+        """An agent's immediate report of a worker's exit (no order is handed out here)."""
         with self._cond:
+            node = self.nodes.get(poll.node)
+            if node is not None and node.alive:
+                self._take_statuses(node, poll.workers)
+
+    def _take_statuses(self, node: NodeRecord, workers: list[dict[str, Any]]) -> None:
+        node.last_seen = time.time()
+        for raw in workers:
+            self._record_worker(node, WorkerStatus.from_dict(raw))
+        self._cond.notify_all()
+
+    def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
+        with self._cond:
+            reply = HeartbeatReply(abort_generation=self.abort_generation)
             record = self.ranks.get(beat.rank)
-            if record is None or beat.generation != self.generation:
-                return
+            if record is None or beat.generation < record.spawn_generation or beat.generation > self.generation:
+                return reply
             now = time.time()
             record.last_heartbeat = now
             record.step = beat.step
@@ -187,20 +229,76 @@ class Controller:
                     details["loss"] = beat.loss
                 self.emit(ev.HEARTBEAT, node=beat.node, rank=beat.rank, step=beat.step,
                           generation=beat.generation, details=details)
+            return reply
 
     def worker_event(self, data: dict[str, Any]) -> None:
         event = Event.from_dict(data)
         with self._cond:
-            if event.kind == ev.WORKER_DONE and event.rank in self.ranks and event.generation == self.generation:
-                if not self.ranks[event.rank].done:
-                    self.ranks[event.rank].done_at = time.time()
-                self.ranks[event.rank].done = True
-                self.ranks[event.rank].step = event.step or self.ranks[event.rank].step
-        self.events.emit(event)
+            record = self.ranks.get(event.rank) if event.rank is not None else None
+            if event.kind == ev.WORKER_DONE and record is not None:
+                if not record.done:
+                    record.done_at = time.time()
+                record.done = True
+                record.step = event.step or record.step
+            self.events.emit(event)
+            if event.kind == ev.DUMP_COMMITTED and self.recovery is not None and self.recovery.strategy == DUMP:
+                self._dump_committed(event)
+            self._cond.notify_all()
+
+    def recover(self, request: RecoverRequest) -> Plan:
+        """A worker checks in after its step failed (or a replacement on joining); answers with its plan."""
+        deadline = time.time() + max(0.0, min(request.wait, 30.0))
+        with self._cond:
+            while True:
+                self._check_in(request)
+                plan = self._plan_for(request)
+                if plan.action != PLAN_WAIT or time.time() >= deadline:
+                    return plan
+                self._cond.wait(min(0.5, max(0.0, deadline - time.time())))
+
+    def _check_in(self, request: RecoverRequest) -> None:
+        record = self.ranks.get(request.rank)
+        if record is not None:
+            record.phase = "recovering"
+            record.last_heartbeat = time.time()
+        recovery = self.recovery
+        if request.newcomer:
+            if recovery is not None and request.generation == recovery.generation:
+                recovery.newcomers_ready.add(request.rank)
+            elif recovery is not None and request.rank in recovery.survivors and recovery.plan is None:
+                # Alive but without the state (its own repair failed): it receives, it is not restarted.
+                recovery.survivors.discard(request.rank)
+                recovery.newcomers.add(request.rank)
+                recovery.newcomers_ready.add(request.rank)
+        elif recovery is not None and request.generation < recovery.generation \
+                and request.rank in recovery.survivors:
+            recovery.checked_in[request.rank] = request.committed_step
+        elif self.state is JobState.RUNNING and request.generation == self.generation \
+                and (request.rank, request.generation) not in self._reported_failures:
+            self._reported_failures.add((request.rank, request.generation))
+            self._step_failures.append((time.time(), Fault(
+                "step_failed", node=record.node if record else request.node, rank=request.rank,
+                step=request.committed_step, detail=request.reason[:300])))
+
+    def _plan_for(self, request: RecoverRequest) -> Plan:
+        recovery = self.recovery
+        if recovery is not None:
+            if recovery.plan is None:
+                return Plan(action=PLAN_WAIT)
+            in_plan = request.rank in recovery.checked_in or request.rank in recovery.newcomers
+            return recovery.plan if in_plan else Plan(action=PLAN_EXIT, reason="not part of this recovery")
+        if self.state is JobState.RUNNING:
+            formed = self.plans.get(self.generation)
+            # The plan was published while this worker was between two polls.
+            fits = request.generation == self.generation if request.newcomer else request.generation < self.generation
+            return formed if formed is not None and fits else Plan(action=PLAN_WAIT)
+        if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
+            return Plan(action=PLAN_EXIT, reason=f"job {self.state.value}")
+        return Plan(action=PLAN_WAIT)
 
     def claim_injection(self, claim: InjectionClaim) -> bool:
         with self._cond:
-            if claim.index in self.claimed_injections or claim.generation != self.generation:
+            if claim.index in self.claimed_injections:
                 return False
             self.claimed_injections.add(claim.index)
         return True
@@ -229,7 +327,7 @@ class Controller:
                 self._tick(time.time())
                 if self.state.terminal and self._all_agents_gone():
                     break
-                self._cond.wait(0.1)
+                self._cond.wait(0.05)
         assert self.exit_code is not None
         return self.exit_code
 
@@ -246,8 +344,10 @@ class Controller:
             fault = self._find_fault(now)
             if fault is not None:
                 self._handle_fault(fault, now)
-            elif all(record.done and record.exitcode == 0 for record in self.ranks.values()):
+            elif self.ranks and all(record.done and record.exitcode == 0 for record in self.ranks.values()):
                 self._finish(JobState.SUCCEEDED, EXIT_OK, f"finished at step {self._committed_step()}")
+        elif self.state is JobState.RECOVERING:
+            self._tick_recovery(now)
         elif self.state is JobState.STOPPING:
             still_running = [n.node for n in self.nodes.values() if n.alive and n.running_workers()]
             if not still_running or now > self._state_deadline:
@@ -264,15 +364,15 @@ class Controller:
     def _record_worker(self, node: NodeRecord, status: WorkerStatus) -> None:
         node.workers[status.rank] = status
         record = self.ranks.get(status.rank)
-        if record is None or status.generation != self.generation or record.exitcode is not None:
+        if record is None or status.generation != record.spawn_generation or record.exitcode is not None:
             return
         if status.state == WORKER_EXITED:
             record.exitcode = status.exitcode if status.exitcode is not None else -1
+            record.signal = status.signal
             if record.exitcode == 0:
                 record.done = True
             self.emit(ev.WORKER_EXIT, node=node.node, rank=status.rank, step=record.step,
-                      generation=status.generation,
-                      details={"exitcode": status.exitcode, "signal": status.signal})
+                      generation=self.generation, details={"exitcode": status.exitcode, "signal": status.signal})
 
     def _detect_lost_agents(self, now: float) -> None:
         timeout = self.spec.monitor_interval * 2 + 5.0
@@ -284,7 +384,7 @@ class Controller:
         node.alive = False
         node.orders.clear()
         self.emit(ev.AGENT_LOST, node=node.node, generation=self.generation, details={"why": why})
-        if self.state is JobState.RUNNING:
+        if self.state in (JobState.RUNNING, JobState.RECOVERING):
             self._pending_faults.append(Fault("agent_lost", node=node.node, step=self._committed_step()))
         if notify and self.on_node_lost is not None and not self.state.terminal:
             self.on_node_lost(node.node)
@@ -294,9 +394,8 @@ class Controller:
             return self._pending_faults.pop(0)
         for record in self.ranks.values():
             if record.exitcode not in (None, 0):
-                status = self.nodes[record.node].workers.get(record.rank)
                 return Fault("worker_exit", node=record.node, rank=record.rank, step=record.step,
-                             exitcode=record.exitcode, signal=status.signal if status else None)
+                             exitcode=record.exitcode, signal=record.signal)
             if record.exitcode == 0:
                 continue
             if record.done:
@@ -308,41 +407,188 @@ class Controller:
                 if now - record.started_at > self.spec.start_timeout:
                     return Fault("start_timeout", node=record.node, rank=record.rank, step=record.step)
             elif now - record.last_heartbeat > self.spec.heartbeat_timeout:
-                return Fault("heartbeat_missed", node=record.node, rank=record.rank, step=record.step)
+                fault = Fault("heartbeat_missed", node=record.node, rank=record.rank, step=record.step)
+                if self.spec.watchdog == "on":
+                    return fault
+                self._note_unacted_hang(record, fault)
+        if self._step_failures and now - self._step_failures[0][0] >= STEP_FAILED_GRACE:
+            _, fault = self._step_failures.pop(0)
+            self._step_failures.clear()
+            return fault
         return None
+
+    def _note_unacted_hang(self, record: RankRecord, fault: Fault) -> None:
+        """watchdog off / detect-only: a hang is reported (once per silence), never acted on."""
+        if record.phase != "hang-reported":
+            record.phase = "hang-reported"
+            self.emit(ev.HANG_SUSPECTED, node=record.node, rank=record.rank, step=record.step,
+                      generation=self.generation,
+                      details={"watchdog": self.spec.watchdog, "description": fault.describe()})
 
     # ---------------------------------------------------------------- decisions
 
-    def _handle_fault(self, fault: Fault, now: float) -> None:
+    def _context(self, lost_ranks: set[int], excluded: frozenset[str] = frozenset(),
+                 step: int | None = None) -> RecoveryContext:
+        return RecoveryContext(self.spec, self.restart_count,
+                               frozenset(n.node for n in self.nodes.values() if n.alive),
+                               frozenset(lost_ranks), self.retries[step] if step is not None else 0, excluded)
+
+    def _lost_ranks(self, fault: Fault) -> set[int]:
+        lost = {record.rank for record in self.ranks.values() if record.exitcode not in (None, 0)}
+        if fault.reason == "agent_lost" and fault.node is not None:
+            lost |= set(self._ranks_of(fault.node))
+        if fault.reason in PROCESS_FAULTS and fault.rank is not None:
+            lost.add(fault.rank)
+        for node in self.nodes.values():
+            if not node.alive:
+                lost |= set(self._ranks_of(node.node))
+        return lost
+
+    def _handle_fault(self, fault: Fault, now: float, excluded: frozenset[str] = frozenset()) -> None:
         self.faults_total[fault.reason] += 1
+        self._step_failures.clear()
         self.emit(ev.FAULT_DETECTED, node=fault.node, rank=fault.rank, step=fault.step,
                   generation=self.generation,
                   details={"reason": fault.reason, "exitcode": fault.exitcode, "signal": fault.signal,
-                           "description": fault.describe()})
-        decision = decide(fault, RecoveryContext(self.spec, self.restart_count))
+                           "description": fault.describe(), "detail": fault.detail})
+        self._decide_and_act(fault, now, excluded)
+
+    def _decide_and_act(self, fault: Fault, now: float, excluded: frozenset[str] = frozenset()) -> None:
+        lost = self._lost_ranks(fault)
+        step = self._committed_step()
+        decision = decide(fault, self._context(lost, excluded, step))
         self.emit(ev.DECISION, generation=self.generation, step=fault.step,
                   details={"strategy": decision.strategy, "reason": decision.reason,
-                           "restart_count": self.restart_count, "max_restarts": self.spec.max_restarts})
-        if decision.strategy == JOB_RESTART:
-            self.restart_count += 1
-            self.emit(ev.RESTART_BEGIN, generation=self.generation,
-                      details={"restart_count": self.restart_count, "fault": fault.describe()})
-            self._order_all(Order(kind=ORDER_STOP, generation=self.generation, reason=fault.describe()))
-            self._transition(JobState.STOPPING)
-            self._state_deadline = now + STOP_TIMEOUT
+                           "restart_count": self.restart_count, "max_restarts": self.spec.max_restarts,
+                           "lost_ranks": sorted(lost)})
+        if decision.strategy in (*PROCESS_LEVEL, DUMP):
+            if decision.strategy == RETRY:
+                self.retries[step] += 1
+            self._begin_recovery(fault, decision.strategy, lost, now)
+        elif decision.strategy == JOB_RESTART:
+            self._begin_job_restart(fault.describe(), now)
         else:
             assert decision.strategy == EXIT
-            message = f"{fault.describe()}; no recovery left: {decision.reason}"
-            self._finish(JobState.FAILED, EXIT_FAILED, message)
+            self._finish(JobState.FAILED, EXIT_FAILED, f"{fault.describe()}; no recovery left: {decision.reason}")
+
+    def _begin_job_restart(self, why: str, now: float) -> None:
+        self.restart_count += 1
+        self.recovery = None
+        self.abort_generation = self.generation
+        self.emit(ev.RESTART_BEGIN, generation=self.generation,
+                  details={"restart_count": self.restart_count, "fault": why})
+        self._order_all(Order(kind=ORDER_STOP, generation=self.generation, reason=why))
+        self._transition(JobState.STOPPING)
+        self._state_deadline = now + STOP_TIMEOUT
+
+    # ---------------------------------------------------------------- process-level recovery
+
+    def _begin_recovery(self, fault: Fault, strategy: str, lost: set[int], now: float) -> None:
+        self.restart_count += 1
+        old_generation = self.generation
+        self.generation += 1
+        self.abort_generation = old_generation
+        world = set(range(self.spec.world_size))
+        survivors = world - lost
+        recovery = ActiveRecovery(strategy, fault, old_generation, self.generation, self.spec.world_size,
+                                  survivors=survivors, started=now,
+                                  deadline=now + self.spec.start_timeout + self.spec.comm_timeout)
+        if strategy != DUMP:
+            recovery.newcomers = set(lost)
+            lost_nodes = {self.ranks[rank].node for rank in lost}
+            recovery.awaited_nodes = {node for node in lost_nodes if not self._node_alive(node)}
+            for node in sorted(lost_nodes - recovery.awaited_nodes):
+                self._replace(node, sorted(r for r in lost if self.ranks[r].node == node), now)
+        self.recovery = recovery
+        self._transition(JobState.RECOVERING)
+        self.emit(ev.RECOVERY_BEGIN if strategy != DUMP else ev.DUMP_BEGIN, generation=self.generation,
+                  step=fault.step, details={"strategy": strategy, "old_generation": old_generation,
+                                           "survivors": sorted(survivors), "newcomers": sorted(recovery.newcomers),
+                                           "awaited_nodes": sorted(recovery.awaited_nodes)})
+
+    def _replace(self, node: int, ranks: list[int], now: float) -> None:
+        """Order ``node``'s agent to restart ``ranks`` as replacements in the recovery's generation."""
+        for rank in ranks:
+            self.ranks[rank] = RankRecord(rank, node, self.generation, now)
+        self.nodes[node].orders.append(Order(kind=ORDER_REPLACE, generation=self.generation, ranks=ranks,
+                                             world_size=self.spec.world_size, store_port=self.store_port,
+                                             restart_count=self.restart_count))
+        self.emit(ev.REPLACE, node=node, generation=self.generation, details={"ranks": ranks})
+        self._cond.notify_all()
+
+    def _tick_recovery(self, now: float) -> None:
+        recovery = self.recovery
+        assert recovery is not None
+        fault = self._find_fault(now)
+        if fault is not None and not self._fault_absorbed(fault, recovery, now):
+            self._recovery_failed(f"second fault during {recovery.strategy}: {fault.describe()}", fault, now)
+            return
+        for node in sorted(recovery.awaited_nodes):
+            if self._node_alive(node):
+                recovery.awaited_nodes.discard(node)
+                self._replace(node, sorted(r for r in recovery.newcomers if self.ranks[r].node == node), now)
+        if recovery.plan is None and recovery.ready():
+            plan = recovery.make_plan()
+            self.plans[plan.generation] = plan
+            self.emit(ev.RECOVERY_PLAN, generation=plan.generation, step=plan.target_step,
+                      details={"strategy": plan.strategy, "action": plan.action, "source_rank": plan.source_rank,
+                               "receivers": plan.receivers, "seconds": round(now - recovery.started, 4)})
+            if plan.action != "dump":
+                for rank in recovery.survivors:
+                    self.ranks[rank].step = recovery.checked_in[rank]
+                self.recovery = None
+                self._transition(JobState.RUNNING)
+            self._cond.notify_all()
+        elif now > recovery.deadline:
+            waiting = recovery.missing() or sorted(recovery.awaited_nodes)
+            self._recovery_failed(f"{recovery.strategy} timed out waiting for {waiting}", None, now)
+
+    def _fault_absorbed(self, fault: Fault, recovery: ActiveRecovery, now: float) -> bool:
+        """A second fault that the running recovery can take in: a survivor's process died before
+        it checked in (it becomes a replacement too), or the same fault seen twice."""
+        if fault.reason == "step_failed":
+            return True
+        if recovery.plan is not None or recovery.strategy == DUMP or fault.rank is None:
+            return False
+        rank = fault.rank
+        if rank in recovery.newcomers and self.ranks[rank].spawn_generation < recovery.generation:
+            return True  # the old process of a rank already being replaced
+        if fault.reason in PROCESS_FAULTS and rank in recovery.survivors and rank not in recovery.checked_in \
+                and self._node_alive(self.ranks[rank].node) \
+                and RECOVER_IN_PLACE in self.spec.recover_strategy and self.spec.process_recover:
+            recovery.survivors.discard(rank)
+            recovery.newcomers.add(rank)
+            recovery.strategy = RECOVER_IN_PLACE if recovery.strategy == RETRY else recovery.strategy
+            self._replace(self.ranks[rank].node, [rank], now)
+            return bool(recovery.survivors)
+        return False
+
+    def _recovery_failed(self, why: str, fault: Fault | None, now: float) -> None:
+        recovery = self.recovery
+        assert recovery is not None
+        self.emit(ev.RECOVERY_FAILED, generation=self.generation, details={"strategy": recovery.strategy,
+                                                                           "why": why})
+        self.faults_total["recovery_failed"] += 1
+        excluded = frozenset({RETRY, RECOVER_IN_PLACE, RECOVER, DUMP})
+        self.recovery = None
+        self._transition(JobState.RUNNING)
+        self._decide_and_act(fault or recovery.fault, now, excluded)
+
+    def _dump_committed(self, event: Event) -> None:
+        self._begin_job_restart(f"dying checkpoint of step {event.step} committed", time.time())
+
+    # ---------------------------------------------------------------- generations
 
     def _start_generation(self, now: float) -> None:
         self.generation += 1
         self._pending_faults.clear()
+        self._step_failures.clear()
         world_size = self.spec.world_size
-        per_node = self.spec.nproc_per_node
         self.ranks = {}
         for node in sorted(self.nodes.values(), key=lambda n: n.node):
-            ranks = list(range(node.node * per_node, (node.node + 1) * per_node))
+            if not node.alive:
+                continue
+            ranks = self._ranks_of(node.node)
             for rank in ranks:
                 self.ranks[rank] = RankRecord(rank, node.node, self.generation, now)
             node.orders.append(Order(kind=ORDER_START, generation=self.generation, ranks=ranks,
@@ -361,12 +607,21 @@ class Controller:
         self.exit_code = exit_code
         self.message = message
         self._finished_at = time.time()
+        self.recovery = None
         self._order_all(Order(kind=ORDER_EXIT, generation=self.generation, reason=message))
         self.emit(ev.JOB_END, generation=self.generation, step=self._committed_step(),
                   details={"outcome": state.value, "exit_code": exit_code, "message": message,
                            "restarts": self.restart_count})
 
     # ---------------------------------------------------------------- helpers
+
+    def _ranks_of(self, node: int) -> list[int]:
+        per_node = self.spec.nproc_per_node
+        return list(range(node * per_node, (node + 1) * per_node))
+
+    def _node_alive(self, node: int) -> bool:
+        record = self.nodes.get(node)
+        return record is not None and record.alive
 
     def _transition(self, target: JobState) -> None:
         check_transition(self.state, target)
@@ -399,6 +654,7 @@ class Controller:
     def status(self) -> dict[str, Any]:
         with self._cond:
             now = time.time()
+            recovery = self.recovery
             return {
                 "job_id": self.job_id,
                 "state": self.state.value,
@@ -410,6 +666,9 @@ class Controller:
                 "message": self.message,
                 "uptime_seconds": now - self.started,
                 "faults": dict(self.faults_total),
+                "recovery": None if recovery is None else {
+                    "strategy": recovery.strategy, "generation": recovery.generation,
+                    "waiting_for": recovery.missing(), "awaited_nodes": sorted(recovery.awaited_nodes)},
                 "nodes": {
                     str(n.node): {"alive": n.alive, "pid": n.pid, "host": n.hostname,
                                   "seconds_since_poll": round(now - n.last_seen, 3),

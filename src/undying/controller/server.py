@@ -21,6 +21,7 @@ from undying.events import Event, read_events
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
     ROUTE_AGENT_POLL,
+    ROUTE_AGENT_REPORT,
     ROUTE_EVENT,
     ROUTE_EVENTS,
     ROUTE_INJECT_CLAIM,
@@ -28,6 +29,7 @@ from undying.protocol import (
     ROUTE_METRICS,
     ROUTE_STATUS,
     ROUTE_WORKER_HEARTBEAT,
+    ROUTE_WORKER_RECOVER,
     TOKEN_HEADER,
     TOKEN_SCHEME,
     AgentHello,
@@ -35,6 +37,7 @@ from undying.protocol import (
     Granted,
     Heartbeat,
     InjectionClaim,
+    RecoverRequest,
 )
 
 MAX_BODY = 1 << 20
@@ -153,9 +156,13 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
                 self._json(controller.hello(AgentHello.from_dict(payload)).to_dict())
             elif self.path == ROUTE_AGENT_POLL:
                 self._json(controller.poll(AgentPoll.from_dict(payload)).to_dict())
-            elif self.path == ROUTE_WORKER_HEARTBEAT:
-                controller.heartbeat(Heartbeat.from_dict(payload))
+            elif self.path == ROUTE_AGENT_REPORT:
+                controller.report(AgentPoll.from_dict(payload))
                 self._json({"ok": True})
+            elif self.path == ROUTE_WORKER_HEARTBEAT:
+                self._json(controller.heartbeat(Heartbeat.from_dict(payload)).to_dict())
+            elif self.path == ROUTE_WORKER_RECOVER:
+                self._json(controller.recover(RecoverRequest.from_dict(payload)).to_dict())
             elif self.path == ROUTE_EVENT:
                 controller.worker_event(payload)
                 self._json({"ok": True})

@@ -12,6 +12,7 @@ import enum
 class JobState(enum.Enum):
     WAITING_FOR_NODES = "waiting_for_nodes"  # not every node's agent has said hello yet
     RUNNING = "running"  # the current generation trains
+    RECOVERING = "recovering"  # process-level recovery (or a dying checkpoint) forms the next generation
     STOPPING = "stopping"  # a fault was seen; the generation's workers are being stopped
     RESTARTING = "restarting"  # workers stopped; waiting for every node before the next generation
     SUCCEEDED = "succeeded"
@@ -26,8 +27,9 @@ class JobState(enum.Enum):
 ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.WAITING_FOR_NODES: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
     JobState.RUNNING: frozenset(
-        {JobState.STOPPING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+        {JobState.RECOVERING, JobState.STOPPING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
     ),
+    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.STOPPING, JobState.FAILED, JobState.CANCELLED}),
     JobState.STOPPING: frozenset({JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED}),
     JobState.RESTARTING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset(),

@@ -1,20 +1,24 @@
-"""The worker runtime behind ``undying.init()``: joins the job, runs steps as transactions, checkpoints.
+"""The worker runtime behind ``undying.init()``: joins the job, runs steps as transactions, recovers.
 
 Runs in every worker process. It reads the environment its agent set, connects to
 the job's store, builds this generation's process group, and then serves the
-user's loop: ``steps()`` restores the newest verified checkpoint, fires injected
-faults, commits each step and writes periodic checkpoints atomically.
+user's loop: ``steps()`` restores the newest verified checkpoint (or, for a
+replacement rank, receives the state from a live replica), fires injected faults,
+commits each step, writes periodic checkpoints, and, when a step fails, leaves
+it, takes part in the controller's recovery plan and re-runs it.
 """
 
 from __future__ import annotations
 
 import gc
+import io
 import json
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +41,7 @@ from undying.protocol import (
     ENV_CONTROLLER,
     ENV_GENERATION,
     ENV_INJECT,
+    ENV_JOINING,
     ENV_NODE,
     ENV_RUN_DIR,
     ENV_SPEC,
@@ -45,16 +50,21 @@ from undying.protocol import (
     PHASE_CHECKPOINTING,
     PHASE_COMPUTING,
     PHASE_DONE,
+    PHASE_RECOVERING,
     PHASE_UPDATED,
+    PLAN_DUMP,
+    PLAN_RESUME,
+    Plan,
 )
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.optim import CommitOptimizer
-from undying.runtime.pg import GenerationGroup, choose_backend, connect_store
+from undying.runtime.pg import CollectiveError, GenerationGroup, choose_backend, connect_store
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng import capture_rng, restore_rng
 
 SHARED_STATE_FILE = "train_state.pt"  # model, optimizer and data position: written once, by rank 0
 RESULT_FILE = "result.json"
+RNG_MIRROR_KEEP = 3  # steps of mirrored RNG state kept in the store per rank
 
 
 class Stateful(Protocol):
@@ -65,6 +75,41 @@ class Stateful(Protocol):
 
 def rank_state_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes, device: torch.device | str = "cpu") -> Any:
+    # Only ever bytes this job's own ranks produced (store or process group), never user files.
+    return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
+
+
+class Step(int):
+    """A step number that can also guard the step's body: ``with step: ...``.
+
+    Inside the guard, an exception raised by the step (e.g. a transient error) does not
+    kill the process when ``retry`` is enabled: this rank votes against the step, no
+    rank applies it, and everyone re-runs it in the same processes.
+    """
+
+    _runtime: Runtime
+
+    def __new__(cls, value: int, runtime: Runtime) -> Step:
+        step = super().__new__(cls, value)
+        step._runtime = runtime
+        return step
+
+    def __enter__(self) -> Step:
+        self._runtime._fire_raise_injections(int(self))
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> bool:
+        return self._runtime._step_raised(exc)
 
 
 class Runtime:
@@ -78,6 +123,7 @@ class Runtime:
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         self.node = int(env.get(ENV_NODE, env.get("GROUP_RANK", "0")))
         self.generation = int(env.get(ENV_GENERATION, "1"))
+        self.joining = env.get(ENV_JOINING) == "1"
         self.run_dir = Path(env.get(ENV_RUN_DIR, "runs/standalone"))
         self.spec: JobSpec = spec_from_json(env[ENV_SPEC]) if ENV_SPEC in env else JobSpec()
         self.injections: list[Injection] = decode(env.get(ENV_INJECT))
@@ -90,20 +136,27 @@ class Runtime:
         self.reporter = Reporter(controller, env.get(ENV_TOKEN, ""), self.rank, self.node, self.generation,
                                  self.spec.heartbeat_interval)
         if controller:
-            store = connect_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.spec.start_timeout)
+            self.store = connect_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.spec.start_timeout)
         else:
-            store = torch.distributed.HashStore()
-        self.group = GenerationGroup(store, env.get(ENV_STORE_PREFIX, "undying/standalone"), self.generation,
-                                     self.rank, self.world_size, self.backend, self.spec.comm_timeout,
-                                     self.device)
+            self.store = torch.distributed.HashStore()
+        self.store_prefix = env.get(ENV_STORE_PREFIX, "undying/standalone")
+        self.group: GenerationGroup | None = None
+        if not self.joining:
+            self.group = self._build_group(self.generation)
         self.committed_step = 0
         self.models: list[FixedLayoutDDP] = []
         self.optimizers: list[CommitOptimizer] = []
         self.loaders: list[ResumableLoader] = []
         self.statefuls: dict[str, Stateful] = {}
-        self._restored_from: int | None = None
+        self._resumed_from: int | None = None
+        self._has_state = not self.joining  # a replacement holds no training state until repaired
+        self._step_failure: str | None = None
+        self._voted = False
+        self._updated = False
+        self._commit_rng: dict[str, Any] = {}
+        self._commit_loaders: list[dict[str, Any]] = []
         self.reporter.emit(ev.WORKER_READY, step=0, seconds=round(time.time() - started, 4),
-                           backend=self.backend, pid=os.getpid())
+                           backend=self.backend, pid=os.getpid(), joining=self.joining)
 
     # ------------------------------------------------------------- user API
 
@@ -112,12 +165,16 @@ class Runtime:
         return self.rank == 0
 
     def wrap_model(self, model: torch.nn.Module) -> FixedLayoutDDP:
-        wrapped = FixedLayoutDDP(model.to(self.device), lambda: self.group, self.device)
+        # A replacement rank gets its parameters in the repair step, not by a broadcast
+        # the live ranks would not take part in.
+        wrapped = FixedLayoutDDP(model.to(self.device), self._current_group, self.device,
+                                 broadcast=not self.joining)
         self.models.append(wrapped)
         return wrapped
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> CommitOptimizer:
-        wrapped = CommitOptimizer(optimizer, self._sync_all_gradients, self._set_phase)
+        wrapped = CommitOptimizer(optimizer, self._sync_all_gradients, self._set_phase,
+                                  self._fire_raise_injections_now)
         self.optimizers.append(wrapped)
         return wrapped
 
@@ -127,7 +184,7 @@ class Runtime:
         return loader
 
     def register(self, name: str, obj: Stateful) -> None:
-        """Checkpoint ``obj`` (anything with state_dict/load_state_dict) with this rank's state."""
+        """Checkpoint ``obj`` (anything with state_dict/load_state_dict) with the training state."""
         if name in self.statefuls:
             raise ValueError(f"register: name {name!r} is taken")
         self.statefuls[name] = obj
@@ -135,19 +192,35 @@ class Runtime:
     def log(self, loss: float | None = None) -> None:
         self.reporter.update(loss=loss)
 
-    def steps(self, max_steps: int) -> Iterator[int]:
-        """Yield step numbers from the restored step to ``max_steps - 1``; each yield is one transaction."""
-        self._restore()
+    def steps(self, max_steps: int) -> Iterator[Step]:
+        """Yield step numbers from the restored step to ``max_steps - 1``; each yield is one transaction.
+
+        A step whose gradient sync failed (a peer died, a collective timed out, a rank
+        voted against it) is not applied by anyone; the runtime then recovers and the
+        same step number is yielded again.
+        """
+        if self.joining:
+            self._recover("joining as a replacement rank")
+        else:
+            self._restore()
+        self._mark_commit_boundary()
         step = self.committed_step
         first = True
         while step < max_steps:
-            self._set_phase(PHASE_COMPUTING)
-            self._fire_injections(step)
-            yield step
+            self._begin_step(step)
+            yield Step(step, self)
+            if self._step_failure is None and self._aborted():
+                self._step_failure = "the controller aborted this generation"
+            if self._step_failure is not None:
+                self._recover(self._step_failure)
+                step = self.committed_step
+                first = True
+                continue
             self.committed_step = step + 1
+            self._mark_commit_boundary()
             self.reporter.update(step=self.committed_step, phase=PHASE_UPDATED)
-            if first and self._restored_from is not None:
-                self.reporter.emit(ev.FIRST_STEP, step=self.committed_step, resumed_from=self._restored_from)
+            if first and self._resumed_from is not None:
+                self.reporter.emit(ev.FIRST_STEP, step=self.committed_step, resumed_from=self._resumed_from)
             first = False
             if self.committed_step % self.spec.checkpoint.interval == 0:
                 self.save_checkpoint()
@@ -169,6 +242,218 @@ class Runtime:
         # (measured: ~3 s per worker on these machines); nothing left is garbage worth that.
         gc.freeze()
 
+    # ------------------------------------------------------------- the step transaction
+
+    def _begin_step(self, step: int) -> None:
+        self._step_failure = None
+        self._voted = False
+        self._updated = False
+        self._set_phase(PHASE_COMPUTING)
+        for injection in self.injections:
+            if injection.kind != "raise" and injection.at == "step" and self._claim(injection, step):
+                fire(injection)
+
+    def _fire_raise_injections(self, step: int) -> None:
+        for injection in self.injections:
+            if injection.kind == "raise" and injection.at == "step" and self._claim(injection, step):
+                fire(injection)
+
+    def _fire_point_injections(self, point: str, step: int) -> None:
+        """Faults aimed at a recovery phase (``at=recovery``, ``at=dump``) rather than a training step."""
+        for injection in self.injections:
+            if injection.at == point and self._claim(injection, step):
+                fire(injection)
+
+    def _fire_raise_injections_now(self) -> None:
+        """Called by opt.step(): a ``raise`` injection fires inside the step body even unguarded."""
+        self._fire_raise_injections(self.committed_step)
+
+    def _claim(self, injection: Injection, step: int) -> bool:
+        if not injection.targets(self.rank, self.node, self.local_rank, step):
+            return False
+        if not self.reporter.claim_injection(injection.index, step):
+            return False
+        self.reporter.emit(ev.INJECTION, step=step, spec=injection.text())
+        return True
+
+    def _sync_all_gradients(self, vote_ok: bool = True) -> bool:
+        """The commit vote: True iff every rank's step succeeded and the gradients are averaged."""
+        if self._voted:
+            return self._step_failure is None
+        self._voted = True
+        if vote_ok:
+            self._mirror_rng(self.committed_step + 1)
+        try:
+            all_ok = all([model.sync_gradients(vote_ok) for model in self.models])
+        except CollectiveError as error:
+            self._fail_step(f"gradient all-reduce failed: {error}")
+            return False
+        if not all_ok:
+            self._fail_step("a rank voted against this step")
+            return False
+        self._updated = True
+        return True
+
+    def _step_raised(self, error: BaseException | None) -> bool:
+        """The ``with step:`` guard saw the body end; True suppresses its exception (the step retries)."""
+        if error is None or not isinstance(error, Exception):
+            return False
+        if self._updated or "retry" not in self.spec.recover_strategy:
+            return False
+        if not self._voted:
+            # Vote no in the all-reduce the other ranks are waiting in, so nobody applies this step.
+            self._sync_all_gradients(vote_ok=False)
+        self._fail_step(f"exception in step: {error!r}")
+        return True
+
+    def _fail_step(self, reason: str) -> None:
+        if self._step_failure is None:
+            self._step_failure = reason
+
+    def _aborted(self) -> bool:
+        return self.reporter.abort_generation >= self.generation
+
+    def _mark_commit_boundary(self) -> None:
+        """Remember what a rollback to this committed step needs beyond the (unchanged) model."""
+        self._commit_rng = capture_rng()
+        self._commit_loaders = [loader.state_dict() for loader in self.loaders]
+        self._mirror_rng(self.committed_step, self._commit_rng)
+
+    def _mirror_rng(self, step: int, state: dict[str, Any] | None = None) -> None:
+        """Keep this rank's RNG state for ``step`` in the job's store, where a replacement finds it
+        even when this process and its node are gone (a few KB per step)."""
+        key = f"{self.store_prefix}/rng/{self.rank}"
+        self.store.set(f"{key}/{step}", _to_bytes(state if state is not None else capture_rng()))
+        stale = step - RNG_MIRROR_KEEP
+        if stale >= 0:
+            self.store.delete_key(f"{key}/{stale}")
+
+    # ------------------------------------------------------------- recovery
+
+    def _build_group(self, generation: int) -> GenerationGroup:
+        return GenerationGroup(self.store, self.store_prefix, generation, self.rank, self.world_size,
+                               self.backend, self._collective_deadline(), self.device,
+                               should_abort=self._aborted, join_timeout=self.spec.start_timeout)
+
+    def _collective_deadline(self) -> float | None:
+        return None if self.spec.watchdog == "off" else self.spec.comm_timeout
+
+    def _current_group(self) -> GenerationGroup:
+        if self.group is None:
+            raise RuntimeError("no process group: this rank has not joined a generation yet")
+        return self.group
+
+    def _recover(self, reason: str) -> None:
+        """Leave the failed step, follow the controller's plan, and return at a committed step."""
+        started = time.time()
+        self._set_phase(PHASE_RECOVERING)
+        if self._has_state:
+            self.reporter.emit(ev.STEP_FAILED, step=self.committed_step, reason=reason)
+        while True:
+            if self.group is not None:
+                self.group.abandon()
+                self.group = None
+            plan = self.reporter.wait_for_plan(self.generation, self.committed_step, reason,
+                                               newcomer=not self._has_state)
+            planned = time.time()
+            if plan.action == PLAN_DUMP:
+                self._fire_point_injections("dump", plan.target_step)
+                self._dump(plan)
+            if plan.action != PLAN_RESUME:
+                self._park(plan)
+            self._fire_point_injections("recovery", plan.target_step)
+            self.generation = plan.generation
+            self.reporter.generation = plan.generation
+            try:
+                self.group = self._build_group(plan.generation)
+                rebuilt = time.time()
+                self._repair(plan)
+                break
+            except CollectiveError as error:
+                reason = f"recovery of generation {plan.generation} failed: {error}"
+                self.reporter.emit(ev.STEP_FAILED, step=self.committed_step, reason=reason)
+        self._resumed_from = self.committed_step
+        self.reporter.update(step=self.committed_step, phase=PHASE_COMPUTING)
+        self.reporter.emit(ev.RECOVERED, step=self.committed_step, strategy=plan.strategy,
+                           source_rank=plan.source_rank, received=self.rank in plan.receivers,
+                           wait_for_plan=round(planned - started, 4), rebuild=round(rebuilt - planned, 4),
+                           repair=round(time.time() - rebuilt, 4), total=round(time.time() - started, 4))
+
+    def _park(self, plan: Plan) -> None:
+        """Nothing left for this process to do: the controller stops it (job restart or exit)."""
+        self.reporter.update(phase=PHASE_RECOVERING)
+        while True:
+            time.sleep(1.0)
+
+    def _repair(self, plan: Plan) -> None:
+        """Make this rank hold the state of ``plan.target_step``: from the source replica if listed
+        as a receiver, else by rolling back its own step in flight."""
+        group = self._current_group()
+        if self.rank == plan.source_rank:
+            blob = _to_bytes(self._replica_state())
+            for receiver in plan.receivers:
+                group.send_bytes(blob, receiver)
+        if self.rank in plan.receivers:
+            self._load_replica_state(_from_bytes(group.recv_bytes(plan.source_rank), self.device))
+            self._has_state = True
+            rng = self._mirrored_rng(plan.target_step)
+        else:
+            for loader, state in zip(self.loaders, self._commit_loaders, strict=True):
+                loader.load_state_dict(state)
+            rng = self._commit_rng
+        if rng:
+            restore_rng(rng)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.committed_step = plan.target_step
+        self._mark_commit_boundary()
+
+    def _replica_state(self) -> dict[str, Any]:
+        """Everything a replica shares, as of the last committed step (the step in flight excluded)."""
+        return {
+            "committed_step": self.committed_step,
+            "models": [model.module.state_dict() for model in self.models],
+            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "loaders": self._commit_loaders,
+            "statefuls": {name: obj.state_dict() for name, obj in self.statefuls.items()},
+        }
+
+    def _load_replica_state(self, state: dict[str, Any]) -> None:
+        for model, model_state in zip(self.models, state["models"], strict=True):
+            model.module.load_state_dict(model_state)
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(optimizer_state)
+        for loader, loader_state in zip(self.loaders, state["loaders"], strict=True):
+            loader.load_state_dict(loader_state)
+        for name, stateful_state in state.get("statefuls", {}).items():
+            if name in self.statefuls:
+                self.statefuls[name].load_state_dict(stateful_state)
+        self.committed_step = state["committed_step"]
+
+    def _mirrored_rng(self, step: int, rank: int | None = None) -> dict[str, Any]:
+        key = f"{self.store_prefix}/rng/{self.rank if rank is None else rank}/{step}"
+        if not self.store.check([key]):
+            self.reporter.emit(ev.RNG_NOT_MIRRORED, step=step, key=key)
+            return {}
+        return _from_bytes(self.store.get(key))
+
+    def _dump(self, plan: Plan) -> None:
+        """The dying checkpoint: the chosen replica writes the committed state; everyone else waits."""
+        if self.rank != plan.source_rank:
+            return
+        started = time.time()
+        step = plan.target_step
+        root = self.checkpoint_root
+        staging = staging_dir(root, step, plan.generation)
+        records = [save_object(staging, SHARED_STATE_FILE, {**self._replica_state(), "committed_step": step})]
+        for rank in range(self.world_size):
+            records.append(save_object(staging, rank_state_file(rank),
+                                       {"rng": self._mirrored_rng(step, rank), "statefuls": {}}))
+        committed = commit(root, staging, step=step, generation=plan.generation, world_size=self.world_size,
+                           files=records, meta={"dump": True, "node": self.node}, keep=self.spec.checkpoint.keep)
+        self.reporter.emit(ev.DUMP_COMMITTED, step=step, path=str(committed.path),
+                           seconds=round(time.time() - started, 4), bytes=sum(r.size for r in records))
+
     # ------------------------------------------------------------- checkpoints
 
     @property
@@ -186,7 +471,8 @@ class Runtime:
         if self.is_main:
             records.append(save_object(staging, SHARED_STATE_FILE, self._shared_state()))
         records.append(save_object(staging, rank_state_file(self.rank), self._rank_state()))
-        gathered = self.group.gather_objects(f"ckpt/{step}", json.dumps([asdict(r) for r in records]).encode())
+        group = self._current_group()
+        gathered = group.gather_objects(f"ckpt/{step}", json.dumps([asdict(r) for r in records]).encode())
         if gathered is not None:
             files = [FileRecord(**raw) for blob in gathered for raw in json.loads(blob)]
             committed = commit(root, staging, step=step, generation=self.generation, world_size=self.world_size,
@@ -209,13 +495,14 @@ class Runtime:
     def _restore(self) -> None:
         started = time.time()
         root = self.checkpoint_root
+        group = self._current_group()
         if self.is_main:
             root.mkdir(parents=True, exist_ok=True)
             remove_stale_partials(root, self.generation)
             chosen = latest_verified(root, on_corrupt=lambda path, reason: self.reporter.emit(
                 ev.CHECKPOINT_CORRUPT, path=str(path), reason=reason))
-            self.group.publish("restore_step", str(chosen.step if chosen else -1).encode())
-        step = int(self.group.read("restore_step"))
+            group.publish("restore_step", str(chosen.step if chosen else -1).encode())
+        step = int(group.read("restore_step"))
         if step < 0:
             return
         checkpoint = next(c for c in list_committed(root) if c.step == step)
@@ -226,33 +513,27 @@ class Runtime:
             optimizer.load_state_dict(state)
         for loader, state in zip(self.loaders, shared["loaders"], strict=True):
             loader.load_state_dict(state)
-        own = rank_state_file(self.rank)
         if checkpoint.manifest.world_size == self.world_size:
-            mine = load_object(checkpoint, own)
-            restore_rng(mine["rng"])
+            mine = load_object(checkpoint, rank_state_file(self.rank))
+            if mine["rng"]:
+                restore_rng(mine["rng"])
             for name, state in mine["statefuls"].items():
                 if name in self.statefuls:
                     self.statefuls[name].load_state_dict(state)
+        for name, state in shared.get("statefuls", {}).items():
+            if name in self.statefuls:
+                self.statefuls[name].load_state_dict(state)
         self.committed_step = shared["committed_step"]
-        self._restored_from = self.committed_step
+        self._resumed_from = self.committed_step
         self.reporter.update(step=self.committed_step)
         self.reporter.emit(ev.CHECKPOINT_LOAD, step=self.committed_step, path=str(checkpoint.path),
-                           source="storage", seconds=round(time.time() - started, 4))
+                           source="storage", seconds=round(time.time() - started, 4),
+                           dump=bool(checkpoint.manifest.meta.get("dump")))
 
     # ------------------------------------------------------------- internals
 
     def _set_phase(self, phase: str) -> None:
         self.reporter.update(phase=phase)
-
-    def _sync_all_gradients(self) -> bool:
-        return all([model.sync_gradients() for model in self.models])
-
-    def _fire_injections(self, step: int) -> None:
-        for injection in self.injections:
-            if injection.targets(self.rank, self.node, self.local_rank, step) and \
-                    self.reporter.claim_injection(injection.index, step):
-                self.reporter.emit(ev.INJECTION, step=step, spec=injection.text())
-                fire(injection)
 
 
 _runtime: Runtime | None = None

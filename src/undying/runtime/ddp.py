@@ -41,7 +41,7 @@ class FixedLayoutDDP(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, group_of: Callable[[], GenerationGroup],
-                 device: torch.device) -> None:
+                 device: torch.device, broadcast: bool = True) -> None:
         super().__init__()
         self.module = module
         self._group_of = group_of
@@ -53,7 +53,8 @@ class FixedLayoutDDP(torch.nn.Module):
             by_dtype.setdefault(param.dtype, []).append(param)
         self._buckets = [_Bucket(group, device, with_vote=(index == 0))
                          for index, group in enumerate(by_dtype.values())]
-        self.sync_parameters()
+        if broadcast:
+            self.sync_parameters()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

@@ -17,10 +17,6 @@ import torch
 from undying.protocol import PHASE_UPDATED, PHASE_UPDATING
 
 
-class StepAborted(RuntimeError):
-    """Some rank could not complete this step; nobody applied it."""
-
-
 class CommitOptimizer:
     """Wraps a torch optimizer; everything but ``step`` is the wrapped optimizer's own.
 
@@ -29,14 +25,21 @@ class CommitOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, sync_gradients: Callable[[], bool],
-                 set_phase: Callable[[str], None]) -> None:
+                 set_phase: Callable[[str], None], before_step: Callable[[], None] = lambda: None) -> None:
         self.optimizer = optimizer
         self._sync_gradients = sync_gradients
         self._set_phase = set_phase
+        self._before_step = before_step
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Apply the update iff every rank's step succeeded; otherwise apply nothing and return None.
+
+        A failed step raises nothing here: the runtime's ``steps()`` sees it at the end of
+        the loop body, recovers, and yields the same step again.
+        """
+        self._before_step()
         if not self._sync_gradients():
-            raise StepAborted("a rank voted against this step; the update was not applied")
+            return None
         self._set_phase(PHASE_UPDATING)
         result = self.optimizer.step(closure)
         self._set_phase(PHASE_UPDATED)

@@ -11,10 +11,15 @@ bounded ``wait`` does return.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+ABORT_POLL_S = 0.05  # how often a waiting collective checks for an abort from the controller
+BACKEND_TIMEOUT_S = 1800.0  # the backends' own default (30 minutes), used when watchdog is off
 
 
 class CollectiveError(RuntimeError):
@@ -43,28 +48,64 @@ class GenerationGroup:
     """The collectives of one generation; build a new object for the next one."""
 
     def __init__(self, store: dist.Store, prefix: str, generation: int, rank: int, world_size: int,
-                 backend: str, comm_timeout: float, device: torch.device) -> None:
+                 backend: str, comm_timeout: float | None, device: torch.device,
+                 should_abort: Callable[[], bool] = lambda: False, join_timeout: float = 300.0) -> None:
         self.store = dist.PrefixStore(f"{prefix}/gen{generation}", store)
         self.generation = generation
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.device = device
-        self.comm_timeout = datetime.timedelta(seconds=comm_timeout)
-        self.group = self._build(backend)
+        # None: no deadline of ours (watchdog off); the backend's own 30-minute timeout still applies.
+        self.comm_timeout_s = comm_timeout
+        self.should_abort = should_abort
+        backend_timeout = datetime.timedelta(seconds=max(join_timeout, comm_timeout or BACKEND_TIMEOUT_S))
+        self.comm_timeout = datetime.timedelta(seconds=comm_timeout or BACKEND_TIMEOUT_S)
+        self._abandoned: list[dist.Work] = []
+        self.group = self._build(backend, backend_timeout)
 
-    def _build(self, backend: str) -> dist.ProcessGroup:
+    def _build(self, backend: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
+        # Built with a long timeout so a late joiner (a newcomer importing torch) is waited for;
+        # every collective is then bounded by comm_timeout in _wait.
         if backend == "gloo":
-            return dist.ProcessGroupGloo(self.store, self.rank, self.world_size, self.comm_timeout)
+            return dist.ProcessGroupGloo(self.store, self.rank, self.world_size, timeout)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self.comm_timeout
+            options._timeout = timeout
             return dist.ProcessGroupNCCL(self.store, self.rank, self.world_size, options)
         raise ValueError(f"backend {backend!r}: allowed gloo, nccl")
 
     def _wait(self, op: str, work: dist.Work) -> None:
+        """Wait for ``work`` without ever blocking past comm_timeout or an abort from the controller.
+
+        Nothing interrupts a gloo collective that blocks the calling thread, so we never
+        block in it: the work completes on the backend's threads and signals an event.
+        """
+        finished = threading.Event()
+        failure: list[BaseException] = []
         try:
-            work.wait(self.comm_timeout)
+            future = work.get_future()
+            future.add_done_callback(lambda _: finished.set())
+        except RuntimeError:
+            # Some works (gloo send/recv) have no future: a helper thread does the blocking wait.
+            future = None
+            threading.Thread(target=_blocking_wait, args=(work, finished, failure), daemon=True,
+                             name="undying-wait").start()
+        deadline = None if self.comm_timeout_s is None else time.monotonic() + self.comm_timeout_s
+        while not finished.wait(ABORT_POLL_S):
+            cause: BaseException | None = None
+            if self.should_abort():
+                cause = RuntimeError("the controller aborted this generation")
+            elif deadline is not None and time.monotonic() > deadline:
+                cause = TimeoutError(f"no completion within comm_timeout ({self.comm_timeout_s:g} s)")
+            if cause is not None:
+                self._abandoned.append(work)
+                raise CollectiveError(op, self.rank, self.generation, cause)
+        try:
+            if future is not None:
+                future.wait()
+            elif failure:
+                raise failure[0]
         except Exception as error:
             raise CollectiveError(op, self.rank, self.generation, error) from error
 
@@ -89,6 +130,28 @@ class GenerationGroup:
             raise CollectiveError("broadcast", self.rank, self.generation, error) from error
         self._wait("broadcast", work)
 
+    def send_bytes(self, data: bytes, dst: int, tag: int = 0) -> None:
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        for index, tensor in enumerate((size, payload)):
+            try:
+                work = self.group.send([tensor], dst, tag * 2 + index)
+            except Exception as error:
+                raise CollectiveError("send", self.rank, self.generation, error) from error
+            self._wait("send", work)
+
+    def recv_bytes(self, src: int, tag: int = 0) -> bytes:
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        try:
+            self._wait("recv", self.group.recv([size], src, tag * 2))
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+            self._wait("recv", self.group.recv([payload], src, tag * 2 + 1))
+        except CollectiveError:
+            raise
+        except Exception as error:
+            raise CollectiveError("recv", self.rank, self.generation, error) from error
+        return payload.cpu().numpy().tobytes()
+
     def gather_objects(self, key: str, value: bytes) -> list[bytes] | None:
         """Every rank hands ``value`` to rank 0 through the store; rank 0 gets them all (in rank order)."""
         self.store.set(f"{key}/{self.rank}", value)
@@ -105,13 +168,28 @@ class GenerationGroup:
         self.store.wait([key], self.comm_timeout)
         return self.store.get(key)
 
-    def close(self) -> None:
-        shutdown = getattr(self.group, "shutdown", None)
-        if callable(shutdown):
-            try:
-                shutdown()
-            except Exception:  # noqa: BLE001 - a broken group may fail to shut down; it is dropped either way
-                pass
+    def abandon(self) -> None:
+        """Drop this generation's group without blocking: its destructor may wait for its own timeout,
+        so the last references go away in a reaper thread. Closing its sockets also makes every
+        peer still in one of its collectives fail at once."""
+        group, works = self.group, self._abandoned
+        self.group = None  # type: ignore[assignment]
+        self._abandoned = []
+        threading.Thread(target=_reap, args=(group, works), name="undying-reaper", daemon=True).start()
+
+
+def _blocking_wait(work: dist.Work, finished: threading.Event, failure: list[BaseException]) -> None:
+    try:
+        work.wait()
+    except Exception as error:  # noqa: BLE001 - handed to the waiting thread, which raises it
+        failure.append(error)
+    finally:
+        finished.set()
+
+
+def _reap(group: object, works: list[object]) -> None:
+    works.clear()
+    del group
 
 
 def flat_views(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:

@@ -17,12 +17,17 @@ from typing import Any
 from undying.client import ControllerClient, ControllerUnreachable
 from undying.events import Event
 from undying.protocol import (
+    PLAN_WAIT,
     ROUTE_EVENT,
     ROUTE_INJECT_CLAIM,
     ROUTE_WORKER_HEARTBEAT,
+    ROUTE_WORKER_RECOVER,
     Granted,
     Heartbeat,
+    HeartbeatReply,
     InjectionClaim,
+    Plan,
+    RecoverRequest,
 )
 
 PROGRESS_MIN_SPACING = 0.1  # seconds between two heartbeats, however fast steps go
@@ -40,6 +45,7 @@ class Reporter:
         self.step = 0
         self.phase = "starting"
         self.loss: float | None = None
+        self.abort_generation = 0  # the newest generation the controller told us to abandon
         self._address = address
         self._token = token
         self._client = ControllerClient(address, token) if address else None
@@ -69,7 +75,8 @@ class Reporter:
         while not self._closed:
             beat = Heartbeat(self.rank, self.node, self.generation, self.step, self.phase, os.getpid(), self.loss)
             try:
-                client.post(ROUTE_WORKER_HEARTBEAT, beat.to_dict())
+                reply = HeartbeatReply.from_dict(client.post(ROUTE_WORKER_HEARTBEAT, beat.to_dict()))
+                self.abort_generation = max(self.abort_generation, reply.abort_generation)
             except ControllerUnreachable:
                 pass
             time.sleep(PROGRESS_MIN_SPACING)
@@ -93,6 +100,21 @@ class Reporter:
             return True
         claim = InjectionClaim(index, self.rank, self.node, self.generation, step)
         return Granted.from_dict(self._client.post(ROUTE_INJECT_CLAIM, claim.to_dict())).granted
+
+    def wait_for_plan(self, generation: int, committed_step: int, reason: str, newcomer: bool) -> Plan:
+        """Check in with the controller after a failed step (or on joining) and wait for its plan."""
+        if self._client is None:
+            raise RuntimeError(f"step failed with no controller to recover it: {reason}")
+        request = RecoverRequest(self.rank, self.node, generation, committed_step, os.getpid(), reason,
+                                 newcomer, wait=5.0)
+        while True:
+            try:
+                plan = Plan.from_dict(self._client.post(ROUTE_WORKER_RECOVER, request.to_dict(), timeout=15.0))
+            except ControllerUnreachable:
+                time.sleep(0.2)
+                continue
+            if plan.action != PLAN_WAIT:
+                return plan
 
     def close(self) -> None:
         self._closed = True

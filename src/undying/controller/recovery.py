@@ -1,0 +1,55 @@
+"""One process-level recovery in progress, as the controller tracks it, and the plan it produces.
+
+Runs in the controller. Survivors check in with the committed step they hold; replacement
+ranks check in once started. When everyone expected has checked in, the plan names the
+step everyone resumes from (the newest step a survivor holds: a step some survivor
+applied cannot be undone, so the others catch up), one healthy replica at that step as
+the source, and the ranks that receive the state from it (the newcomers and any
+survivor that is a step behind).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from undying.protocol import PLAN_DUMP, PLAN_RESUME, Plan
+from undying.strategies import DUMP, Fault
+
+
+@dataclass
+class ActiveRecovery:
+    strategy: str
+    fault: Fault
+    old_generation: int
+    generation: int
+    world_size: int
+    survivors: set[int]  # ranks whose process keeps its memory
+    newcomers: set[int] = field(default_factory=set)  # ranks restarted as replacements
+    awaited_nodes: set[int] = field(default_factory=set)  # nodes whose agent must come back first
+    checked_in: dict[int, int] = field(default_factory=dict)  # survivor rank -> committed step it holds
+    newcomers_ready: set[int] = field(default_factory=set)
+    plan: Plan | None = None
+    started: float = 0.0
+    deadline: float = 0.0
+
+    @property
+    def action(self) -> str:
+        return PLAN_DUMP if self.strategy == DUMP else PLAN_RESUME
+
+    def missing(self) -> list[int]:
+        """Ranks the plan still waits for."""
+        waiting = {rank for rank in self.survivors if rank not in self.checked_in}
+        waiting |= self.newcomers - self.newcomers_ready
+        return sorted(waiting)
+
+    def ready(self) -> bool:
+        return not self.awaited_nodes and not self.missing() and bool(self.checked_in)
+
+    def make_plan(self) -> Plan:
+        target = max(self.checked_in.values())
+        source = min(rank for rank, step in self.checked_in.items() if step == target)
+        behind = {rank for rank, step in self.checked_in.items() if step < target}
+        self.plan = Plan(action=self.action, strategy=self.strategy, generation=self.generation,
+                         world_size=self.world_size, target_step=target, source_rank=source,
+                         receivers=sorted(self.newcomers | behind), reason=self.fault.describe())
+        return self.plan
