@@ -290,7 +290,7 @@ class Controller:
         if self.state is JobState.RUNNING:
             formed = self.plans.get(self.generation)
             # The plan was published while this worker was between two polls.
-            fits = request.generation == self.generation if request.newcomer else request.generation < self.generation
+            fits = request.generation < self.generation or (request.newcomer and request.generation == self.generation)
             return formed if formed is not None and fits else Plan(action=PLAN_WAIT)
         if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
             return Plan(action=PLAN_EXIT, reason=f"job {self.state.value}")
@@ -298,7 +298,9 @@ class Controller:
 
     def claim_injection(self, claim: InjectionClaim) -> bool:
         with self._cond:
-            if claim.index in self.claimed_injections:
+            record = self.ranks.get(claim.rank)
+            stale = record is None or claim.generation < record.spawn_generation
+            if claim.index in self.claimed_injections or stale:
                 return False
             self.claimed_injections.add(claim.index)
         return True
@@ -411,7 +413,8 @@ class Controller:
                 if self.spec.watchdog == "on":
                     return fault
                 self._note_unacted_hang(record, fault)
-        if self._step_failures and now - self._step_failures[0][0] >= STEP_FAILED_GRACE:
+        everyone_reported = len({fault.rank for _, fault in self._step_failures}) == len(self.ranks)
+        if self._step_failures and (everyone_reported or now - self._step_failures[0][0] >= STEP_FAILED_GRACE):
             _, fault = self._step_failures.pop(0)
             self._step_failures.clear()
             return fault
@@ -548,6 +551,8 @@ class Controller:
         it checked in (it becomes a replacement too), or the same fault seen twice."""
         if fault.reason == "step_failed":
             return True
+        if fault.rank is not None and fault.rank not in recovery.survivors | recovery.newcomers:
+            return True  # a rank already counted as lost when the recovery began
         if recovery.plan is not None or recovery.strategy == DUMP or fault.rank is None:
             return False
         rank = fault.rank

@@ -104,7 +104,6 @@ class Step(int):
         return step
 
     def __enter__(self) -> Step:
-        self._runtime._fire_raise_injections(int(self))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -136,8 +135,10 @@ class Runtime:
         self.reporter = Reporter(controller, env.get(ENV_TOKEN, ""), self.rank, self.node, self.generation,
                                  self.spec.heartbeat_interval)
         if controller:
-            self.store = connect_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.spec.start_timeout)
+            self._store_address = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+            self.store = connect_store(*self._store_address, self.spec.start_timeout)
         else:
+            self._store_address = None
             self.store = torch.distributed.HashStore()
         self.store_prefix = env.get(ENV_STORE_PREFIX, "undying/standalone")
         self.group: GenerationGroup | None = None
@@ -300,10 +301,10 @@ class Runtime:
             return False
         if self._updated or "retry" not in self.spec.recover_strategy:
             return False
+        self._fail_step(f"exception in step: {error!r}")
         if not self._voted:
             # Vote no in the all-reduce the other ranks are waiting in, so nobody applies this step.
             self._sync_all_gradients(vote_ok=False)
-        self._fail_step(f"exception in step: {error!r}")
         return True
 
     def _fail_step(self, reason: str) -> None:
@@ -331,7 +332,11 @@ class Runtime:
     # ------------------------------------------------------------- recovery
 
     def _build_group(self, generation: int) -> GenerationGroup:
-        return GenerationGroup(self.store, self.store_prefix, generation, self.rank, self.world_size,
+        # Each generation talks to the store over its own connection: a TCPStore client serializes
+        # its calls, and an abandoned generation's rendezvous may still block in one.
+        store = self.store if self._store_address is None else connect_store(*self._store_address,
+                                                                                self.spec.start_timeout)
+        return GenerationGroup(store, self.store_prefix, generation, self.rank, self.world_size,
                                self.backend, self._collective_deadline(), self.device,
                                should_abort=self._aborted, join_timeout=self.spec.start_timeout)
 
@@ -361,10 +366,10 @@ class Runtime:
                 self._dump(plan)
             if plan.action != PLAN_RESUME:
                 self._park(plan)
-            self._fire_point_injections("recovery", plan.target_step)
             self.generation = plan.generation
             self.reporter.generation = plan.generation
             try:
+                self._fire_point_injections("recovery", plan.target_step)
                 self.group = self._build_group(plan.generation)
                 rebuilt = time.time()
                 self._repair(plan)
@@ -374,7 +379,7 @@ class Runtime:
                 self.reporter.emit(ev.STEP_FAILED, step=self.committed_step, reason=reason)
         self._resumed_from = self.committed_step
         self.reporter.update(step=self.committed_step, phase=PHASE_COMPUTING)
-        self.reporter.emit(ev.RECOVERED, step=self.committed_step, strategy=plan.strategy,
+        self.reporter.emit(ev.RECOVERED, step=self.committed_step, strategy=plan.strategy, pid=os.getpid(),
                            source_rank=plan.source_rank, received=self.rank in plan.receivers,
                            wait_for_plan=round(planned - started, 4), rebuild=round(rebuilt - planned, 4),
                            repair=round(time.time() - rebuilt, 4), total=round(time.time() - started, 4))

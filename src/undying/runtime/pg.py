@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 ABORT_POLL_S = 0.05  # how often a waiting collective checks for an abort from the controller
+REAP_DELAY_S = 2.0
 BACKEND_TIMEOUT_S = 1800.0  # the backends' own default (30 minutes), used when watchdog is off
 
 
@@ -62,7 +63,35 @@ class GenerationGroup:
         backend_timeout = datetime.timedelta(seconds=max(join_timeout, comm_timeout or BACKEND_TIMEOUT_S))
         self.comm_timeout = datetime.timedelta(seconds=comm_timeout or BACKEND_TIMEOUT_S)
         self._abandoned: list[dist.Work] = []
-        self.group = self._build(backend, backend_timeout)
+        self.group = self._build_abortable(backend, backend_timeout, join_timeout)
+
+    def _build_abortable(self, backend: str, timeout: datetime.timedelta, join_timeout: float) -> dist.ProcessGroup:
+        """Construct the group on a helper thread: the constructor blocks until every member has
+        connected, and a member that died first must not keep the survivors there."""
+        built: list[dist.ProcessGroup] = []
+        failure: list[BaseException] = []
+        finished = threading.Event()
+
+        def build() -> None:
+            try:
+                built.append(self._build(backend, timeout))
+            except Exception as error:  # noqa: BLE001 - handed to the waiting thread
+                failure.append(error)
+            finally:
+                finished.set()
+
+        threading.Thread(target=build, name="undying-build-group", daemon=True).start()
+        deadline = time.monotonic() + join_timeout
+        while not finished.wait(ABORT_POLL_S):
+            if self.should_abort():
+                raise CollectiveError("build", self.rank, self.generation,
+                                      RuntimeError("the controller aborted this generation")) from None
+            if time.monotonic() > deadline:
+                raise CollectiveError("build", self.rank, self.generation,
+                                      TimeoutError(f"not every rank joined within {join_timeout:g} s")) from None
+        if failure:
+            raise CollectiveError("build", self.rank, self.generation, failure[0]) from None
+        return built[0]
 
     def _build(self, backend: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
         # Built with a long timeout so a late joiner (a newcomer importing torch) is waited for;
@@ -99,25 +128,29 @@ class GenerationGroup:
             elif deadline is not None and time.monotonic() > deadline:
                 cause = TimeoutError(f"no completion within comm_timeout ({self.comm_timeout_s:g} s)")
             if cause is not None:
+                # No local may keep the work (and through it the group) alive: the group must die
+                # in the reaper thread, since its destructor joins threads stuck on a dead peer.
                 self._abandoned.append(work)
-                raise CollectiveError(op, self.rank, self.generation, cause)
+                del work, future
+                raise CollectiveError(op, self.rank, self.generation, cause) from None
         try:
             if future is not None:
                 future.wait()
             elif failure:
                 raise failure[0]
         except Exception as error:
-            raise CollectiveError(op, self.rank, self.generation, error) from error
+            raise CollectiveError(op, self.rank, self.generation, error) from None
 
     def allreduce_sum(self, tensor: torch.Tensor) -> None:
         """In-place sum over the generation's ranks."""
         if self.world_size == 1:
             return
         try:
-            work = self.group.allreduce([tensor])
+            self._wait("allreduce", self.group.allreduce([tensor]))
+        except CollectiveError:
+            raise
         except Exception as error:
-            raise CollectiveError("allreduce", self.rank, self.generation, error) from error
-        self._wait("allreduce", work)
+            raise CollectiveError("allreduce", self.rank, self.generation, error) from None
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
         if self.world_size == 1:
@@ -125,20 +158,22 @@ class GenerationGroup:
         options = dist.BroadcastOptions()
         options.rootRank = root
         try:
-            work = self.group.broadcast([tensor], options)
+            self._wait("broadcast", self.group.broadcast([tensor], options))
+        except CollectiveError:
+            raise
         except Exception as error:
-            raise CollectiveError("broadcast", self.rank, self.generation, error) from error
-        self._wait("broadcast", work)
+            raise CollectiveError("broadcast", self.rank, self.generation, error) from None
 
     def send_bytes(self, data: bytes, dst: int, tag: int = 0) -> None:
         size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         for index, tensor in enumerate((size, payload)):
             try:
-                work = self.group.send([tensor], dst, tag * 2 + index)
+                self._wait("send", self.group.send([tensor], dst, tag * 2 + index))
+            except CollectiveError:
+                raise
             except Exception as error:
-                raise CollectiveError("send", self.rank, self.generation, error) from error
-            self._wait("send", work)
+                raise CollectiveError("send", self.rank, self.generation, error) from None
 
     def recv_bytes(self, src: int, tag: int = 0) -> bytes:
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -149,7 +184,7 @@ class GenerationGroup:
         except CollectiveError:
             raise
         except Exception as error:
-            raise CollectiveError("recv", self.rank, self.generation, error) from error
+            raise CollectiveError("recv", self.rank, self.generation, error) from None
         return payload.cpu().numpy().tobytes()
 
     def gather_objects(self, key: str, value: bytes) -> list[bytes] | None:
@@ -188,6 +223,9 @@ def _blocking_wait(work: dist.Work, finished: threading.Event, failure: list[Bas
 
 
 def _reap(group: object, works: list[object]) -> None:
+    # Outlive any reference the training thread may still drop (an exception being unwound),
+    # so that the last one, and the destructor's wait, is ours.
+    time.sleep(REAP_DELAY_S)
     works.clear()
     del group
 

@@ -1,0 +1,135 @@
+"""Process-level recovery with real processes and real faults: healthy ranks keep their processes
+(same PIDs), only the failed ones restart, and the final parameters are bitwise equal to a
+fault-free run. Also the dying checkpoint and the watchdog modes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import STEPS, JobRun, run_job, start_job, wait_no_processes
+from undying import events as ev
+from undying.events import read_events
+
+pytestmark = pytest.mark.faults
+
+PROCESS_LEVEL = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
+                 "--recover-strategy", "retry,recover-in-place,recover,dump"]
+DUMP_ONLY = ["--set", "process_recover=true", "--recover-strategy", "dump", "--checkpoint-interval", "100"]
+
+
+def first_pids(run: JobRun) -> dict[int, int]:
+    """PID of every rank's first process (generation 1)."""
+    return {e.rank: e.details["pid"] for e in run.kinds(ev.WORKER_READY) if e.generation == 1}
+
+
+def assert_bitwise(run: JobRun, reference: JobRun) -> None:
+    assert run.returncode == 0, run.output + run.logs()
+    assert run.result["final_step"] == STEPS
+    assert run.result["param_sha256"] == reference.result["param_sha256"]
+
+
+def assert_survivors_kept(run: JobRun, restarted: set[int], strategy: str) -> None:
+    """Every rank not in ``restarted`` recovered in its original process; no job-level restart."""
+    assert not run.kinds(ev.RESTART_BEGIN), "a process-level fault must not restart the job"
+    plan = run.kinds(ev.RECOVERY_PLAN)[-1]
+    assert plan.details["strategy"] == strategy, plan.details
+    pids = first_pids(run)
+    recovered = {e.rank: e.details["pid"] for e in run.kinds(ev.RECOVERED)}
+    for rank in set(range(4)) - restarted:
+        assert recovered[rank] == pids[rank], f"rank {rank} was restarted"
+    for rank in restarted:
+        assert recovered[rank] != pids[rank], f"rank {rank} should be a new process"
+    new_workers = {e.rank for e in run.kinds(ev.WORKER_READY) if e.generation != 1}
+    assert new_workers == restarted
+
+
+def test_recover_in_place_after_killed_worker(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "kill:rank=1:step=15"])
+    assert_bitwise(run, reference_run)
+    assert_survivors_kept(run, {1}, "recover-in-place")
+    assert run.kinds(ev.RECOVERY_PLAN)[-1].details["receivers"] == [1]
+
+
+def test_recover_in_place_after_killed_rank0(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "kill:rank=0:step=15"])
+    assert_bitwise(run, reference_run)
+    assert_survivors_kept(run, {0}, "recover-in-place")
+    assert run.kinds(ev.RECOVERY_PLAN)[-1].details["source_rank"] != 0
+
+
+def test_recover_after_killed_node(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "node:node=1:step=15"])
+    assert_bitwise(run, reference_run)
+    assert_survivors_kept(run, {2, 3}, "recover")
+
+
+def test_retry_after_exception_in_step_starts_no_process(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "raise:rank=2:step=15"])
+    assert_bitwise(run, reference_run)
+    assert_survivors_kept(run, set(), "retry")
+    assert "exception in step" in run.kinds(ev.STEP_FAILED)[0].details["reason"] or any(
+        "exception in step" in e.details["reason"] for e in run.kinds(ev.STEP_FAILED))
+
+
+def test_recover_in_place_after_hang(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "hang:rank=3:step=15"])
+    assert_bitwise(run, reference_run)
+    assert run.kinds(ev.FAULT_DETECTED)[0].details["reason"] == "heartbeat_missed"
+    assert_survivors_kept(run, {3}, "recover-in-place")
+
+
+def test_second_fault_during_recovery(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "kill:rank=1:step=15",
+                             "--inject", "kill:rank=2:at=recovery"])
+    assert_bitwise(run, reference_run)
+    assert len(run.kinds(ev.FAULT_DETECTED)) >= 2
+    assert any(e.details["spec"] == "kill:rank=2:at=recovery" for e in run.kinds(ev.INJECTION))
+
+
+def test_dump_loses_at_most_one_step(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*DUMP_ONLY, "--inject", "kill:rank=1:step=15"])
+    assert_bitwise(run, reference_run)
+    assert run.kinds(ev.DUMP_COMMITTED)
+    loads = [e for e in run.kinds(ev.CHECKPOINT_LOAD) if e.rank == 0]
+    assert loads and loads[-1].details["dump"] and loads[-1].step in (14, 15), [e.step for e in loads]
+
+
+def test_fault_during_dump_falls_back_to_periodic_checkpoint(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*DUMP_ONLY, "--checkpoint-interval", "10", "--inject", "kill:rank=1:step=15",
+                             "--inject", "kill:rank=0:at=dump"])
+    assert_bitwise(run, reference_run)
+    assert not run.kinds(ev.DUMP_COMMITTED)
+    assert run.kinds(ev.RECOVERY_FAILED)
+    loads = [e for e in run.kinds(ev.CHECKPOINT_LOAD) if e.rank == 0]
+    assert loads and loads[-1].step == 10 and not loads[-1].details["dump"]
+    partial = [p.name for p in (tmp_path / "checkpoints").iterdir() if "partial" in p.name]
+    assert all(c.step != 15 for c in __import__("undying.checkpoint", fromlist=["x"]).list_committed(tmp_path / "checkpoints"))
+
+
+def test_watchdog_off_leaves_a_hang_alone(tmp_path: Path) -> None:
+    process, mark = start_job(tmp_path, ["--set", "watchdog=off", "--inject", "hang:rank=1:step=10"], steps=STEPS)
+    deadline = time.time() + 120
+    try:
+        while time.time() < deadline:
+            events = read_events(tmp_path) if (tmp_path / "events.jsonl").exists() else []
+            if any(e.kind == ev.HANG_SUSPECTED for e in events):
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError("the hang was never noticed")
+        time.sleep(3)
+        events = read_events(tmp_path)
+        assert not any(e.kind == ev.FAULT_DETECTED for e in events), "watchdog off must not act on a hang"
+        assert process.poll() is None, "the job hangs, as documented for watchdog: off"
+        os.kill(process.pid, signal.SIGTERM)
+        process.communicate(timeout=60)
+        assert process.returncode == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert wait_no_processes(mark) == []
