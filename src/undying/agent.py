@@ -10,6 +10,7 @@ the agent's process group and die with it, as on a real node.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -49,8 +50,11 @@ from undying.protocol import (
     Order,
     WorkerStatus,
 )
+from undying.standby import can_serve
 
 ENV_DIE_WITH_PARENT = "UNDYING_AGENT_DIE_WITH_PARENT"
+ENV_WARM = "UNDYING_WARM_STANDBY"  # "1" in a worker that started as a warm standby
+STANDBY_DELAY = 5.0  # seconds after a start before the node pre-starts its warm standby
 
 
 class AgentStopped(Exception):
@@ -83,6 +87,8 @@ class Agent:
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self.worker_generations: dict[int, int] = {}  # rank -> generation its process was started in
         self.local_ranks: dict[int, int] = {}
+        self.standby: subprocess.Popen[bytes] | None = None
+        self.standby_due: float | None = None  # when to pre-start the next warm standby
         self._stopping = False
 
     # ------------------------------------------------------------------ main loop
@@ -100,6 +106,7 @@ class Agent:
             return 2
         finally:
             self._stop_workers(grace=0.0)
+            self._drop_standby()
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stopping = True
@@ -124,6 +131,7 @@ class Agent:
     def _loop(self) -> int:
         unreachable_since: float | None = None
         while True:
+            self._keep_standby()
             poll = AgentPoll(self.node, self.generation, [s.to_dict() for s in self._statuses()],
                              wait=self.spec.monitor_interval)
             try:
@@ -179,6 +187,9 @@ class Agent:
         self.local_ranks = {rank: local for local, rank in enumerate(order.ranks)}
         for rank in order.ranks:
             self._spawn(rank, order, joining=False)
+        if self.spec.warm_standby and self.standby is None:
+            # Not now: the standby's own torch import would compete with the workers' start.
+            self.standby_due = time.time() + STANDBY_DELAY
 
     def _replace_workers(self, order: Order) -> None:
         """Process-level recovery: restart only these ranks; the node's other workers keep running."""
@@ -217,11 +228,24 @@ class Agent:
             ENV_JOINING: "1" if joining else "0",
         })
         env.pop(ENV_DIE_WITH_PARENT, None)
-        log = open(log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115 - handed to the child
-        log.write(f"--- generation {order.generation}{' (replacement)' if joining else ''} ---\n".encode())
+        log_path = log_dir / f"rank{rank}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+        warm = joining and self._standby_ready()
+        kind = " (replacement, warm standby)" if warm else " (replacement)" if joining else ""
+        log.write(f"--- generation {order.generation}{kind} ---\n".encode())
         log.flush()
-        process = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   preexec_fn=die_with_parent)
+        if warm:
+            assert self.standby is not None and self.standby.stdin is not None
+            process = self.standby
+            self.standby = None
+            self.standby_due = time.time() + STANDBY_DELAY
+            env[ENV_WARM] = "1"
+            process.stdin.write((json.dumps({"env": env, "command": self.command, "log": str(log_path)})
+                                 + "\n").encode())
+            process.stdin.close()
+        else:
+            process = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       preexec_fn=die_with_parent)
         log.close()
         self.workers[rank] = process
         self.worker_generations[rank] = order.generation
@@ -241,6 +265,28 @@ class Agent:
             pass  # the next poll carries the same status
         finally:
             client.close()
+
+    def _keep_standby(self) -> None:
+        """Pre-start a warm standby when one is due (the agent's main thread: PDEATHSIG is per thread)."""
+        if self.standby is not None and self.standby.poll() is not None:
+            self.standby = None
+            self.standby_due = time.time() + STANDBY_DELAY
+        if self.standby is None and self.standby_due is not None and time.time() >= self.standby_due \
+                and can_serve(self.command):
+            log = open(self.run_dir / "logs" / f"standby{self.node}.log", "ab")  # noqa: SIM115 - child's
+            self.standby = subprocess.Popen([sys.executable, "-u", "-m", "undying.standby"],
+                                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                            preexec_fn=die_with_parent)
+            log.close()
+            self.standby_due = None
+
+    def _standby_ready(self) -> bool:
+        return self.spec.warm_standby and self.standby is not None and self.standby.poll() is None
+
+    def _drop_standby(self) -> None:
+        if self.standby is not None:
+            stop_processes([self.standby], grace=0.0)
+            self.standby = None
 
     def _stop_workers(self, grace: float) -> None:
         stop_processes(list(self.workers.values()), grace)

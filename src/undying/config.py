@@ -108,6 +108,7 @@ class JobSpec(BaseModel):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     compile_cache: str | None = None
+    warm_standby: bool = True  # each agent keeps a pre-started interpreter to replace a rank quickly
     nnodes: int = Field(1, ge=1)
     min_nodes: int | None = None
     nproc_per_node: int = Field(1, ge=1)

@@ -112,6 +112,8 @@ class RecoverInPlace:
     def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
         if fault.reason == "agent_lost":
             return "the node itself is lost"
+        if not context.lost_ranks:
+            return "no process to restart"
         if fault.node is not None and fault.node not in context.alive_nodes:
             return "the failed rank's node is not alive"
         if context.survivors() < 1:

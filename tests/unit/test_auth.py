@@ -12,6 +12,7 @@ import json
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -148,18 +149,38 @@ def test_every_route_answers_the_right_token(served, method, path, payload):
 
 
 def test_authorized_requests_do_what_they_say(served):
+    controller = served.controller
+    # The run loop starts generation 1 once both nodes said hello, so the claims have a rank to belong to.
+    loop = threading.Thread(target=controller.run, name="controller-run", daemon=True)
+    loop.start()
     client = ControllerClient(served.server.address, TOKEN)
+    claim = {"index": 0, "rank": 0, "node": 0, "generation": 1, "step": 0}
     try:
-        reply = client.post(ROUTE_AGENT_HELLO, _hello(1).to_dict())
-        assert reply["accepted"] and reply["job_id"] == "job-auth"
-        assert 1 in served.controller.nodes
-        assert client.post(ROUTE_INJECT_CLAIM, ROUTES[7][2]) == {"granted": True}
-        assert client.post(ROUTE_INJECT_CLAIM, ROUTES[7][2]) == {"granted": False}
+        # No rank is known before the job starts: a claim is refused and not used up.
+        assert client.post(ROUTE_INJECT_CLAIM, claim) == {"granted": False}
+        for node in (0, 1):
+            reply = client.post(ROUTE_AGENT_HELLO, _hello(node).to_dict())
+            assert reply["accepted"] and reply["job_id"] == "job-auth"
+        assert set(controller.nodes) == {0, 1}
+        deadline = time.time() + 5.0
+        while controller.state is not JobState.RUNNING and time.time() < deadline:
+            time.sleep(0.01)
+        assert (controller.state, controller.generation) == (JobState.RUNNING, 1)
+
+        assert client.post(ROUTE_INJECT_CLAIM, claim) == {"granted": True}
+        assert client.post(ROUTE_INJECT_CLAIM, claim) == {"granted": False}
+        assert controller.claimed_injections == {0}
         client.post(ROUTE_JOB_STOP, {"reason": "stopped by test"})
-        assert served.controller.state is JobState.CANCELLED
-        assert served.controller.message == "stopped by test"
+        assert controller.state is JobState.CANCELLED
+        assert controller.message == "stopped by test"
     finally:
+        controller.cancel("test teardown")
+        for node in (0, 1):  # each agent takes its exit order, so the loop ends at once
+            client.post(ROUTE_AGENT_POLL, {"node": node, "generation": 1, "workers": [], "wait": 0.0})
         client.close()
+        loop.join(5.0)
+    assert not loop.is_alive()
+    assert controller.exit_code == 130
 
 
 def test_status_is_json_and_metrics_are_prometheus_text(served):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,15 @@ from undying.events import Event, EventLog, read_events
 from undying.protocol import (
     ORDER_EXIT,
     ORDER_NONE,
+    ORDER_REPLACE,
     ORDER_START,
     ORDER_STOP,
     PHASE_COMPUTING,
     PHASE_DONE,
+    PLAN_DUMP,
+    PLAN_EXIT,
+    PLAN_RESUME,
+    PLAN_WAIT,
     WORKER_EXITED,
     WORKER_RUNNING,
     AgentHello,
@@ -35,6 +41,8 @@ from undying.protocol import (
     HelloReply,
     InjectionClaim,
     Order,
+    Plan,
+    RecoverRequest,
     WorkerStatus,
 )
 
@@ -495,6 +503,276 @@ def test_status_reports_nodes_ranks_and_progress(make_job):
 
     job.beat(3, 11)
     assert job.controller.status()["committed_step"] == 9
+
+
+# ---------------------------------------------------------------- process-level recovery
+
+# Every built process-level strategy on, 2 nodes x 2 ranks.
+RECOVERY = {
+    "process_recover": True,
+    "recover_strategy": ["retry", "recover-in-place", "recover", "dump"],
+    "pod_rescheduling": "on",
+    "nnodes": 2,
+    "nproc_per_node": 2,
+    # A survivor waits for its plan longer than FAST's heartbeat timeout; a real one keeps beating meanwhile.
+    "heartbeat_timeout": 5.0,
+}
+# How long a worker's check-in waits for its plan in these tests.
+PLAN_WAIT_S = 2.0
+
+
+def recovering_job(make_job: Callable[..., Job], step: int = 7, **spec_fields: Any) -> Job:
+    """A running generation 1 with every process-level strategy on; every rank has committed ``step``."""
+    job = make_job(**{**RECOVERY, **spec_fields})
+    job.start_running()
+    for rank in range(job.spec.world_size):
+        job.beat(rank, step)
+    return job
+
+
+def report_exit(job: Job, rank: int, generation: int = 1) -> None:
+    """The agent's immediate report that ``rank``'s process (spawned in ``generation``) was killed."""
+    node = rank // job.spec.nproc_per_node
+    status = WorkerStatus(rank, rank % job.spec.nproc_per_node, 2000 + rank, generation, WORKER_EXITED,
+                          -9, "SIGKILL")
+    job.controller.report(AgentPoll(node, generation, [status.to_dict()]))
+
+
+def survivor(job: Job, rank: int, committed_step: int, wait: float = PLAN_WAIT_S,
+             reason: str = "") -> RecoverRequest:
+    """The check-in of a rank that keeps its memory: it is still in generation 1."""
+    return RecoverRequest(rank, rank // job.spec.nproc_per_node, 1, committed_step, 2000 + rank, reason,
+                          newcomer=False, wait=wait)
+
+
+def newcomer(job: Job, rank: int, generation: int = 2, wait: float = PLAN_WAIT_S) -> RecoverRequest:
+    """The check-in of a replacement process, started in the recovery's generation."""
+    return RecoverRequest(rank, rank // job.spec.nproc_per_node, generation, 0, 3000 + rank,
+                          newcomer=True, wait=wait)
+
+
+def check_in_together(job: Job, requests: list[RecoverRequest]) -> dict[int, Plan]:
+    """Every request long-polls ``Controller.recover`` in its own thread, as the workers do."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = {request.rank: pool.submit(job.controller.recover, request) for request in requests}
+    return {rank: future.result() for rank, future in futures.items()}
+
+
+def test_a_killed_worker_is_recovered_in_place_and_only_it_restarts(make_job):
+    job = recovering_job(make_job)
+    assert job.controller.heartbeat(Heartbeat(0, 0, 1, 7, PHASE_COMPUTING, 2000)).abort_generation == 0
+    report_exit(job, 3)
+
+    node1 = job.statuses(1, 1)
+    node1[1] = WorkerStatus(3, 1, 2003, 1, WORKER_EXITED, -9, "SIGKILL").to_dict()
+    replace = job.next_order(1, 1, node1)
+    assert (replace.kind, replace.generation, replace.ranks) == (ORDER_REPLACE, 2, [3])
+    assert (replace.world_size, replace.store_port, replace.restart_count) == (4, STORE_PORT, 1)
+    assert job.controller.state is JobState.RECOVERING
+    # Node 0's workers keep running: it gets no order at all.
+    assert job.poll(0, 1, job.statuses(0, 1), wait=0.2).kind == ORDER_NONE
+    [decision] = job.events(ev.DECISION)
+    assert decision.details["strategy"] == "recover-in-place"
+    assert decision.details["lost_ranks"] == [3]
+    [begin] = job.events(ev.RECOVERY_BEGIN)
+    assert begin.generation == 2
+    assert begin.details == {"strategy": "recover-in-place", "old_generation": 1, "survivors": [0, 1, 2],
+                             "newcomers": [3], "awaited_nodes": []}
+    [replaced] = job.events(ev.REPLACE)
+    assert (replaced.node, replaced.generation, replaced.details) == (1, 2, {"ranks": [3]})
+    # Heartbeats tell the survivors to leave generation 1's collectives.
+    for rank in (0, 1, 2):
+        assert job.controller.heartbeat(Heartbeat(rank, rank // 2, 1, 7, PHASE_COMPUTING, 2000 + rank)) \
+            .abort_generation == 1
+    assert job.controller.status()["recovery"] == {
+        "strategy": "recover-in-place", "generation": 2, "waiting_for": [0, 1, 2, 3], "awaited_nodes": []}
+
+    plans = check_in_together(job, [survivor(job, 0, 7), survivor(job, 1, 7), survivor(job, 2, 7),
+                                    newcomer(job, 3)])
+    expected = Plan(action=PLAN_RESUME, strategy="recover-in-place", generation=2, world_size=4, target_step=7,
+                    source_rank=0, receivers=[3], reason="rank 3 exited (killed by SIGKILL)")
+    assert plans == {rank: expected for rank in range(4)}
+    assert job.controller.state is JobState.RUNNING
+    status = job.controller.status()
+    assert (status["generation"], status["restart_count"], status["recovery"]) == (2, 1, None)
+    [published] = job.events(ev.RECOVERY_PLAN)
+    assert (published.generation, published.step) == (2, 7)
+    assert (published.details["action"], published.details["source_rank"], published.details["receivers"]) == (
+        PLAN_RESUME, 0, [3])
+    assert job.events(ev.RESTART_BEGIN) == [] and job.events(ev.RECOVERY_FAILED) == []
+
+    # A rank that asks again after the plan was published gets the same plan.
+    assert job.controller.recover(survivor(job, 1, 7, wait=0.0)) == expected
+    # The replacement runs in generation 2; the job carries on from step 7.
+    job.poll(1, 2, job.statuses(1, 2))
+    job.beat(3, 8, generation=2)
+    for rank in (0, 1, 2):
+        job.beat(rank, 8, generation=2)
+    assert job.controller.status()["committed_step"] == 8
+    assert job.poll(0, 2, job.statuses(0, 2), wait=0.3).kind == ORDER_NONE
+    assert job.controller.state is JobState.RUNNING
+
+
+def test_a_survivor_a_step_behind_receives_the_state_too(make_job):
+    job = recovering_job(make_job)
+    report_exit(job, 3)
+    assert job.next_order(1, 1).kind == ORDER_REPLACE
+
+    plans = check_in_together(job, [survivor(job, 0, 6), survivor(job, 1, 7), survivor(job, 2, 7),
+                                    newcomer(job, 3)])
+    assert {(plan.action, plan.target_step, plan.source_rank, tuple(plan.receivers)) for plan in plans.values()} \
+        == {(PLAN_RESUME, 7, 1, (0, 3))}
+    assert job.controller.state is JobState.RUNNING
+    assert job.controller.generation == 2
+
+
+def test_a_failed_step_with_every_process_alive_is_retried_without_receivers(make_job):
+    job = recovering_job(make_job)
+    requests = [survivor(job, rank, 7, reason="allreduce timed out") for rank in range(4)]
+    plans = check_in_together(job, requests)
+
+    for plan in plans.values():
+        assert (plan.action, plan.strategy, plan.generation, plan.world_size) == (PLAN_RESUME, "retry", 2, 4)
+        assert (plan.target_step, plan.source_rank, plan.receivers) == (7, 0, [])
+        assert plan.reason.endswith("could not complete its step (allreduce timed out)")
+    assert job.controller.state is JobState.RUNNING
+    assert job.controller.generation == 2
+    [fault] = job.events(ev.FAULT_DETECTED)
+    assert fault.details["reason"] == "step_failed"
+    [begin] = job.events(ev.RECOVERY_BEGIN)
+    assert begin.details["strategy"] == "retry"
+    assert (begin.details["survivors"], begin.details["newcomers"]) == ([0, 1, 2, 3], [])
+    # Nobody is restarted.
+    assert job.events(ev.REPLACE) == []
+    assert [job.poll(node, 1, job.statuses(node, 1), wait=0.2).kind for node in (0, 1)] == [ORDER_NONE] * 2
+
+
+def test_a_lost_node_is_recovered_once_it_says_hello_again(make_job):
+    job = recovering_job(make_job)
+    job.controller.report_agent_exit(1, -9)
+    job.wait_state(JobState.RECOVERING)
+    assert job.lost_nodes == [1]
+    [decision] = job.events(ev.DECISION)
+    assert decision.details["strategy"] == "recover"
+    [begin] = job.events(ev.RECOVERY_BEGIN)
+    assert begin.details == {"strategy": "recover", "old_generation": 1, "survivors": [0, 1],
+                             "newcomers": [2, 3], "awaited_nodes": [1]}
+
+    # The survivors check in, but nothing is replaced and no plan is made until the node is back.
+    for rank in (0, 1):
+        assert job.controller.recover(survivor(job, rank, 7, wait=0.0)).action == PLAN_WAIT
+    assert job.poll(0, 1, job.statuses(0, 1), wait=0.3).kind == ORDER_NONE
+    assert job.events(ev.REPLACE) == []
+    assert job.controller.status()["recovery"]["awaited_nodes"] == [1]
+    assert job.poll(1).reason == "hello"
+
+    assert job.hello(1).accepted
+    replace = job.next_order(1)
+    assert (replace.kind, replace.generation, replace.ranks, replace.restart_count) == (ORDER_REPLACE, 2, [2, 3], 1)
+    plans = check_in_together(job, [survivor(job, 0, 7), survivor(job, 1, 7), newcomer(job, 2), newcomer(job, 3)])
+    expected = Plan(action=PLAN_RESUME, strategy="recover", generation=2, world_size=4, target_step=7,
+                    source_rank=0, receivers=[2, 3], reason="node 1 lost (agent gone)")
+    assert plans == {rank: expected for rank in range(4)}
+    assert job.controller.state is JobState.RUNNING
+    assert job.controller.generation == 2
+    # Node 0 was never stopped.
+    assert [order for order in (job.poll(0, 1, job.statuses(0, 1)),) if order.kind != ORDER_NONE] == []
+
+
+def test_a_dump_writes_the_dying_checkpoint_then_the_job_restarts(make_job):
+    # Three single-rank nodes without pod rescheduling: a lost node leaves a majority to dump.
+    job = recovering_job(make_job, step=9, nnodes=3, nproc_per_node=1, pod_rescheduling="off")
+    job.controller.report_agent_exit(2, -9)
+    job.wait_state(JobState.RECOVERING)
+    [decision] = job.events(ev.DECISION)
+    assert decision.details["strategy"] == "dump"
+    [begin] = job.events(ev.DUMP_BEGIN)
+    assert begin.details["survivors"] == [0, 1] and begin.details["newcomers"] == []
+    assert job.events(ev.RECOVERY_BEGIN) == []
+
+    plans = check_in_together(job, [survivor(job, 0, 9), survivor(job, 1, 9)])
+    expected = Plan(action=PLAN_DUMP, strategy="dump", generation=2, world_size=3, target_step=9, source_rank=0,
+                    receivers=[], reason="node 2 lost (agent gone)")
+    assert plans == {0: expected, 1: expected}
+    # The dump is not the end of the recovery: the job waits for the checkpoint.
+    assert job.poll(0, 1, job.statuses(0, 1), wait=0.3).kind == ORDER_NONE
+    assert job.controller.state is JobState.RECOVERING
+
+    job.controller.worker_event(Event(ev.DUMP_COMMITTED, node=0, rank=0, step=9, generation=2).__dict__)
+    stops = [job.next_order(node, 1, job.statuses(node, 1)) for node in (0, 1)]
+    assert [order.kind for order in stops] == [ORDER_STOP, ORDER_STOP]
+    assert job.controller.state is JobState.STOPPING
+    [restart] = job.events(ev.RESTART_BEGIN)
+    assert restart.details["fault"] == "dying checkpoint of step 9 committed"
+
+    # The job-level restart starts every rank afresh once the lost node is back.
+    for node in (0, 1):
+        job.poll(node, 1, job.statuses(node, 1, WORKER_EXITED, -15, "SIGTERM"))
+    assert job.hello(2).accepted
+    starts = [job.next_order(node, 1, job.statuses(node, 1, WORKER_EXITED, -15, "SIGTERM")) for node in (0, 1, 2)]
+    assert [(order.kind, order.generation) for order in starts] == [(ORDER_START, 3)] * 3
+
+
+def test_a_dump_committed_outside_a_dump_changes_nothing(make_job):
+    job = recovering_job(make_job)
+    job.controller.worker_event(Event(ev.DUMP_COMMITTED, node=0, rank=0, step=7, generation=1).__dict__)
+    assert job.poll(0, 1, job.statuses(0, 1), wait=0.3).kind == ORDER_NONE
+    assert job.controller.state is JobState.RUNNING
+    assert job.events(ev.RESTART_BEGIN) == []
+
+
+def test_a_survivor_that_dies_before_checking_in_is_replaced_too(make_job):
+    job = recovering_job(make_job)
+    report_exit(job, 3)
+    assert job.next_order(1, 1).ranks == [3]
+    report_exit(job, 2)
+    second = job.next_order(1, 1)
+    assert (second.kind, second.generation, second.ranks) == (ORDER_REPLACE, 2, [2])
+
+    plans = check_in_together(job, [survivor(job, 0, 7), survivor(job, 1, 7), newcomer(job, 2), newcomer(job, 3)])
+    assert {(plan.action, plan.strategy, plan.source_rank, tuple(plan.receivers)) for plan in plans.values()} == {
+        (PLAN_RESUME, "recover-in-place", 0, (2, 3))}
+    assert job.events(ev.RECOVERY_FAILED) == []
+    assert job.controller.restart_count == 1
+
+
+def test_a_second_exit_of_a_checked_in_rank_fails_the_recovery_and_restarts_the_job(make_job):
+    job = recovering_job(make_job)
+    report_exit(job, 3)
+    assert job.next_order(1, 1).kind == ORDER_REPLACE
+    assert job.controller.recover(survivor(job, 0, 7, wait=0.0)).action == PLAN_WAIT
+
+    report_exit(job, 0)
+    stops = [job.next_order(node, 1) for node in (0, 1)]
+    assert [(order.kind, order.generation) for order in stops] == [(ORDER_STOP, 2), (ORDER_STOP, 2)]
+    assert job.controller.state is JobState.STOPPING
+    [failed] = job.events(ev.RECOVERY_FAILED)
+    assert failed.details == {"strategy": "recover-in-place",
+                              "why": "second fault during recover-in-place: rank 0 exited (killed by SIGKILL)"}
+    decisions = job.events(ev.DECISION)
+    assert [decision.details["strategy"] for decision in decisions] == ["recover-in-place", "job-restart"]
+    # The fallback skips every process-level strategy: they already failed for this fault.
+    assert "recover-in-place: already failed" in decisions[1].details["reason"]
+    assert job.controller.faults_total["recovery_failed"] == 1
+    # A rank still asking for a plan is told it has no part in what comes next.
+    assert job.controller.recover(survivor(job, 1, 7, wait=0.0)).action == PLAN_EXIT
+
+
+def test_a_recovery_past_its_deadline_fails_and_the_job_restarts(make_job):
+    # The deadline is start_timeout + comm_timeout after the fault; the lost node never returns.
+    job = recovering_job(make_job, start_timeout=0.8, comm_timeout=0.2)
+    job.controller.report_agent_exit(1, -9)
+    job.wait_state(JobState.RECOVERING)
+    for rank in (0, 1):
+        assert job.controller.recover(survivor(job, rank, 7, wait=0.0)).action == PLAN_WAIT
+
+    stop = job.next_order(0, 1, job.statuses(0, 1))
+    assert (stop.kind, stop.generation) == (ORDER_STOP, 2)
+    [failed] = job.events(ev.RECOVERY_FAILED)
+    assert failed.details == {"strategy": "recover", "why": "recover timed out waiting for [2, 3]"}
+    assert [decision.details["strategy"] for decision in job.events(ev.DECISION)] == ["recover", "job-restart"]
+    assert job.controller.state is JobState.STOPPING
+    assert job.events(ev.RECOVERY_PLAN) == []
 
 
 # ---------------------------------------------------------------- the state table

@@ -474,8 +474,9 @@ class Controller:
             assert decision.strategy == EXIT
             self._finish(JobState.FAILED, EXIT_FAILED, f"{fault.describe()}; no recovery left: {decision.reason}")
 
-    def _begin_job_restart(self, why: str, now: float) -> None:
-        self.restart_count += 1
+    def _begin_job_restart(self, why: str, now: float, count: bool = True) -> None:
+        if count:
+            self.restart_count += 1
         self.recovery = None
         self.abort_generation = self.generation
         self.emit(ev.RESTART_BEGIN, generation=self.generation,
@@ -508,6 +509,7 @@ class Controller:
                   step=fault.step, details={"strategy": strategy, "old_generation": old_generation,
                                            "survivors": sorted(survivors), "newcomers": sorted(recovery.newcomers),
                                            "awaited_nodes": sorted(recovery.awaited_nodes)})
+        self._cond.notify_all()  # wake the workers already waiting in recover(): they are survivors now
 
     def _replace(self, node: int, ranks: list[int], now: float) -> None:
         """Order ``node``'s agent to restart ``ranks`` as replacements in the recovery's generation."""
@@ -537,8 +539,8 @@ class Controller:
                       details={"strategy": plan.strategy, "action": plan.action, "source_rank": plan.source_rank,
                                "receivers": plan.receivers, "seconds": round(now - recovery.started, 4)})
             if plan.action != "dump":
-                for rank in recovery.survivors:
-                    self.ranks[rank].step = recovery.checked_in[rank]
+                for rank in recovery.survivors | recovery.newcomers:
+                    self.ranks[rank].step = plan.target_step
                 self.recovery = None
                 self._transition(JobState.RUNNING)
             self._cond.notify_all()
@@ -580,7 +582,8 @@ class Controller:
         self._decide_and_act(fault or recovery.fault, now, excluded)
 
     def _dump_committed(self, event: Event) -> None:
-        self._begin_job_restart(f"dying checkpoint of step {event.step} committed", time.time())
+        # The dump already counted against max_restarts: the restart that loads it is the same recovery.
+        self._begin_job_restart(f"dying checkpoint of step {event.step} committed", time.time(), count=False)
 
     # ---------------------------------------------------------------- generations
 

@@ -1,0 +1,108 @@
+"""ActiveRecovery: who the plan waits for, when it is ready, and the plan it makes.
+
+The plan resumes from the newest step a survivor holds, takes the lowest rank at that step
+as the source, and sends the state to the newcomers and to every survivor behind it.
+"""
+
+from __future__ import annotations
+
+from undying.controller.recovery import ActiveRecovery
+from undying.protocol import PLAN_DUMP, PLAN_RESUME, Plan
+from undying.strategies import DUMP, RECOVER, RECOVER_IN_PLACE, RETRY, Fault
+
+KILLED = Fault("worker_exit", node=1, rank=3, step=7, exitcode=-9, signal="SIGKILL")
+
+
+def recovery(strategy: str = RECOVER_IN_PLACE, survivors: set[int] | None = None,
+             newcomers: set[int] | None = None, fault: Fault = KILLED) -> ActiveRecovery:
+    return ActiveRecovery(strategy, fault, old_generation=1, generation=2, world_size=4,
+                          survivors={0, 1, 2} if survivors is None else survivors,
+                          newcomers={3} if newcomers is None else newcomers)
+
+
+def test_waits_for_every_survivor_and_every_newcomer():
+    active = recovery()
+    assert active.missing() == [0, 1, 2, 3]
+    assert not active.ready()
+    active.checked_in[1] = 7
+    active.newcomers_ready.add(3)
+    assert active.missing() == [0, 2]
+    assert not active.ready()
+    active.checked_in[0] = 7
+    active.checked_in[2] = 7
+    assert active.missing() == []
+    assert active.ready()
+
+
+def test_not_ready_while_a_lost_node_is_awaited():
+    active = recovery(RECOVER, survivors={0, 1}, newcomers={2, 3}, fault=Fault("agent_lost", node=1, step=7))
+    active.awaited_nodes = {1}
+    active.checked_in.update({0: 7, 1: 7})
+    assert active.missing() == [2, 3]
+    active.newcomers_ready.update({2, 3})
+    assert active.missing() == []
+    assert not active.ready()
+    active.awaited_nodes.clear()
+    assert active.ready()
+
+
+def test_not_ready_without_a_single_survivor_checked_in():
+    # Newcomers alone hold no state: there is nothing to resume from.
+    active = recovery(survivors=set(), newcomers={0, 1, 2, 3})
+    active.newcomers_ready.update({0, 1, 2, 3})
+    assert active.missing() == []
+    assert not active.ready()
+
+
+def test_the_plan_resumes_from_the_survivors_step_with_the_newcomer_as_receiver():
+    active = recovery()
+    active.checked_in.update({0: 7, 1: 7, 2: 7})
+    active.newcomers_ready.add(3)
+    plan = active.make_plan()
+    assert plan == Plan(action=PLAN_RESUME, strategy=RECOVER_IN_PLACE, generation=2, world_size=4, target_step=7,
+                        source_rank=0, receivers=[3], reason="rank 3 exited (killed by SIGKILL)")
+    assert active.plan is plan
+
+
+def test_the_target_is_the_newest_survivor_step_and_the_source_the_lowest_rank_holding_it():
+    active = recovery()
+    active.checked_in.update({0: 6, 1: 7, 2: 7})
+    plan = active.make_plan()
+    assert (plan.target_step, plan.source_rank) == (7, 1)
+    # The survivor a step behind receives too, next to the newcomer.
+    assert plan.receivers == [0, 3]
+
+
+def test_every_survivor_behind_the_target_receives_sorted():
+    active = recovery(survivors={0, 1, 2, 3, 4, 5}, newcomers={6})
+    active.checked_in.update({5: 11, 0: 10, 3: 12, 1: 12, 4: 11, 2: 12})
+    plan = active.make_plan()
+    assert (plan.target_step, plan.source_rank) == (12, 1)
+    assert plan.receivers == [0, 4, 5, 6]
+
+
+def test_a_retry_with_every_survivor_at_the_same_step_has_no_receivers():
+    failed = Fault("step_failed", node=0, rank=2, step=7, detail="allreduce timed out")
+    active = recovery(RETRY, survivors={0, 1, 2, 3}, newcomers=set(), fault=failed)
+    active.checked_in.update({0: 7, 1: 7, 2: 7, 3: 7})
+    assert active.ready()
+    plan = active.make_plan()
+    assert (plan.action, plan.strategy, plan.target_step, plan.source_rank, plan.receivers) == (
+        PLAN_RESUME, RETRY, 7, 0, [])
+    assert plan.reason == "rank 2 could not complete its step (allreduce timed out)"
+
+
+def test_the_dump_strategy_plans_a_dump():
+    active = recovery(DUMP, survivors={0, 1, 2}, newcomers=set())
+    assert active.action == PLAN_DUMP
+    active.checked_in.update({0: 5, 1: 6, 2: 6})
+    assert active.ready()
+    plan = active.make_plan()
+    assert (plan.action, plan.strategy, plan.generation) == (PLAN_DUMP, DUMP, 2)
+    # The source writes the newest committed state.
+    assert (plan.target_step, plan.source_rank) == (6, 1)
+
+
+def test_every_other_strategy_plans_a_resume():
+    for strategy in (RETRY, RECOVER_IN_PLACE, RECOVER):
+        assert recovery(strategy).action == PLAN_RESUME
