@@ -158,8 +158,12 @@ def main() -> None:
         results[name] = summarize(runs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                               "results": results}, indent=2))
+    previous = json.loads(out.read_text()) if out.exists() and args.only else {"results": {}, "commands": []}
+    merged = {**previous.get("results", {}), **results}
+    commands = [*previous.get("commands", []), " ".join(["python", *sys.argv])]
+    out.write_text(json.dumps({"commands": commands, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                               "results": merged}, indent=2))
+    results = merged
     print(f"\n{'scenario':48} {'detect s':>9} {'MTTR s':>8} {'lost':>5} {'steps/s':>8}")
     for name, summary in results.items():
         print(f"{name:48} {summary.get('median_detect_seconds', '-'):>9} {summary.get('median_mttr_seconds', '-'):>8} "

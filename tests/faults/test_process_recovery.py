@@ -48,11 +48,12 @@ def assert_survivors_kept(run: JobRun, restarted: set[int], strategy: str) -> No
     assert new_workers == restarted
 
 
-def test_recover_in_place_after_killed_worker(reference_run: JobRun, tmp_path: Path) -> None:
-    run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "kill:rank=1:step=15"])
+def test_recover_in_place_after_killed_worker_uses_warm_standby(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--set", "warm_standby=true", "--inject", "kill:rank=1:step=25"])
     assert_bitwise(run, reference_run)
     assert_survivors_kept(run, {1}, "recover-in-place")
     assert run.kinds(ev.RECOVERY_PLAN)[-1].details["receivers"] == [1]
+    assert "(replacement, warm standby)" in (tmp_path / "logs" / "rank1.log").read_text()
 
 
 def test_recover_in_place_after_killed_rank0(reference_run: JobRun, tmp_path: Path) -> None:

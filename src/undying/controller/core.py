@@ -371,6 +371,13 @@ class Controller:
         if status.state == WORKER_EXITED:
             record.exitcode = status.exitcode if status.exitcode is not None else -1
             record.signal = status.signal
+            if record.exitcode != 0 and record.done:
+                # Training had finished and its result was written; only the teardown failed.
+                self.emit(ev.WORKER_EXIT, node=node.node, rank=status.rank, step=record.step,
+                          generation=self.generation,
+                          details={"exitcode": status.exitcode, "signal": status.signal, "after_done": True})
+                record.exitcode = 0
+                return
             if record.exitcode == 0:
                 record.done = True
             self.emit(ev.WORKER_EXIT, node=node.node, rank=status.rank, step=record.step,
@@ -524,6 +531,10 @@ class Controller:
     def _tick_recovery(self, now: float) -> None:
         recovery = self.recovery
         assert recovery is not None
+        finished = sorted(rank for rank in recovery.survivors if self.ranks[rank].done)
+        if finished:
+            self._recovery_failed(f"survivor(s) {finished} already finished training", None, now)
+            return
         fault = self._find_fault(now)
         if fault is not None and not self._fault_absorbed(fault, recovery, now):
             self._recovery_failed(f"second fault during {recovery.strategy}: {fault.describe()}", fault, now)

@@ -10,10 +10,12 @@ it, takes part in the controller's recovery plan and re-runs it.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import io
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -58,7 +60,7 @@ from undying.protocol import (
 )
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.optim import CommitOptimizer
-from undying.runtime.pg import CollectiveError, GenerationGroup, choose_backend, connect_store
+from undying.runtime.pg import CollectiveError, GenerationGroup, choose_backend, connect_store, reapers_alive
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng import capture_rng, restore_rng
 
@@ -150,6 +152,7 @@ class Runtime:
         self.loaders: list[ResumableLoader] = []
         self.statefuls: dict[str, Stateful] = {}
         self._resumed_from: int | None = None
+        self.finished = False
         self._has_state = not self.joining  # a replacement holds no training state until repaired
         self._step_failure: str | None = None
         self._voted = False
@@ -236,6 +239,7 @@ class Runtime:
             tmp = path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
             os.replace(tmp, path)
+        self.finished = True
         self.reporter.update(phase=PHASE_DONE)
         self.reporter.emit(ev.WORKER_DONE, step=self.committed_step)
         self.reporter.close()
@@ -544,9 +548,21 @@ class Runtime:
 _runtime: Runtime | None = None
 
 
+def _exit_without_teardown_if_reaping() -> None:
+    """atexit: a group abandoned after a fault may still be joining threads stuck on a dead peer;
+    tearing the interpreter down under it crashes the process (seen: SIGSEGV after a recovered
+    hang). Only after ``finish()``: training is over and its result written, so leave at once with
+    exit code 0; a script that failed keeps the normal teardown and its non-zero exit."""
+    if _runtime is not None and _runtime.finished and reapers_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def init() -> Runtime:
     """Join the job this process was started in (or a one-process standalone job)."""
     global _runtime
     if _runtime is None:
         _runtime = Runtime()
+        atexit.register(_exit_without_teardown_if_reaping)
     return _runtime

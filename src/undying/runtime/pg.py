@@ -60,7 +60,9 @@ class GenerationGroup:
         # None: no deadline of ours (watchdog off); the backend's own 30-minute timeout still applies.
         self.comm_timeout_s = comm_timeout
         self.should_abort = should_abort
-        backend_timeout = datetime.timedelta(seconds=max(join_timeout, comm_timeout or BACKEND_TIMEOUT_S))
+        # The backend's own timeout bounds the rendezvous of a late joiner (a cold replacement needs
+        # seconds) and how long an abandoned group's destructor can block its reaper thread.
+        backend_timeout = datetime.timedelta(seconds=comm_timeout or BACKEND_TIMEOUT_S)
         self.comm_timeout = datetime.timedelta(seconds=comm_timeout or BACKEND_TIMEOUT_S)
         self._abandoned: list[dist.Work] = []
         self.group = self._build_abortable(backend, backend_timeout, join_timeout)
@@ -210,7 +212,9 @@ class GenerationGroup:
         group, works = self.group, self._abandoned
         self.group = None  # type: ignore[assignment]
         self._abandoned = []
-        threading.Thread(target=_reap, args=(group, works), name="undying-reaper", daemon=True).start()
+        reaper = threading.Thread(target=_reap, args=(group, works), name="undying-reaper", daemon=True)
+        _reapers.append(reaper)
+        reaper.start()
 
 
 def _blocking_wait(work: dist.Work, finished: threading.Event, failure: list[BaseException]) -> None:
@@ -220,6 +224,14 @@ def _blocking_wait(work: dist.Work, finished: threading.Event, failure: list[Bas
         failure.append(error)
     finally:
         finished.set()
+
+
+_reapers: list[threading.Thread] = []
+
+
+def reapers_alive() -> bool:
+    """Is an abandoned group still being torn down (its destructor waiting on a dead peer)?"""
+    return any(thread.is_alive() for thread in _reapers)
 
 
 def _reap(group: object, works: list[object]) -> None:

@@ -1,0 +1,84 @@
+"""Step-commit cost: the vote folded into the gradient all-reduce vs a separate store round trip.
+
+Spawns WORLD gloo processes on loopback; each times STEPS rounds of
+(a) one all-reduce of the flat gradient buffer with one extra vote element (what undying does), and
+(b) the all-reduce of the buffer alone plus a store barrier that counts the votes.
+Reports the median extra cost per step of each over a plain all-reduce.
+
+    python bench/commit_vote.py --world 4 --numel 1000000 --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import time
+
+
+def worker(rank: int, world: int, port: int, numel: int, steps: int, queue: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=60))
+    group = dist.ProcessGroupGloo(dist.PrefixStore("bench", store), rank, world, datetime.timedelta(seconds=60))
+    plain = torch.ones(numel)
+    voted = torch.ones(numel + 1)
+    timings: dict[str, list[float]] = {"plain": [], "folded": [], "store": []}
+    for step in range(steps):
+        group.barrier().wait()
+        started = time.perf_counter()
+        group.allreduce([plain]).wait()
+        timings["plain"].append(time.perf_counter() - started)
+        group.barrier().wait()
+        started = time.perf_counter()
+        group.allreduce([voted]).wait()
+        assert int(voted[-1].item()) >= world  # every rank voted yes
+        voted[-1] = 1.0
+        timings["folded"].append(time.perf_counter() - started)
+        group.barrier().wait()
+        started = time.perf_counter()
+        group.allreduce([plain]).wait()
+        store.add(f"vote/{step}", 1)
+        while int(store.add(f"vote/{step}", 0)) < world:
+            time.sleep(0.0001)
+        timings["store"].append(time.perf_counter() - started)
+    queue.put((rank, {name: statistics.median(values) for name, values in timings.items()}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--numel", type=int, default=1_000_000)
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    processes = [context.Process(target=worker, args=(rank, args.world, port, args.numel, args.steps, queue))
+                 for rank in range(args.world)]
+    for process in processes:
+        process.start()
+    results = dict(queue.get(timeout=600) for _ in processes)
+    for process in processes:
+        process.join()
+    rank0 = results[0]
+    report = {
+        "world": args.world, "numel": args.numel, "steps": args.steps,
+        "median_allreduce_ms": round(rank0["plain"] * 1e3, 3),
+        "median_folded_vote_ms": round(rank0["folded"] * 1e3, 3),
+        "median_store_vote_ms": round(rank0["store"] * 1e3, 3),
+        "folded_overhead_ms": round((rank0["folded"] - rank0["plain"]) * 1e3, 3),
+        "store_overhead_ms": round((rank0["store"] - rank0["plain"]) * 1e3, 3),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
