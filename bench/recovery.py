@@ -127,7 +127,8 @@ def measure_torchrun(kill: bool) -> dict:
 
 def summarize(runs: list[dict]) -> dict:
     summary: dict = {"runs": len(runs), "failed_runs": sum(1 for run in runs if run["exit_code"] != 0)}
-    for key in ("detect_seconds", "mttr_seconds", "steps_lost", "steps_per_second", "wall_seconds"):
+    for key in ("detect_seconds", "mttr_seconds", "steps_lost", "restarted_processes", "steps_per_second",
+                "wall_seconds"):
         values = [run[key] for run in runs if key in run]
         if values:
             summary[f"median_{key}"] = round(statistics.median(values), 3)
@@ -138,12 +139,34 @@ def summarize(runs: list[dict]) -> dict:
     return summary
 
 
+def _cell(summary: dict, key: str) -> str:
+    if f"median_{key}" not in summary:
+        return "-"
+    values = ", ".join(str(value) for value in summary[f"all_{key}"])
+    return f"{summary[f'median_{key}']} ({values})"
+
+
+def markdown_table(results: dict[str, dict]) -> str:
+    """The results as the table docs/benchmarks.md shows (medians; all runs in brackets)."""
+    lines = ["| scenario | runs (failed) | detect s | MTTR s | steps lost | restarted processes | steps/s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, summary in results.items():
+        cells = [_cell(summary, key) for key in ("detect_seconds", "mttr_seconds", "steps_lost",
+                                                 "restarted_processes", "steps_per_second")]
+        lines.append(f"| {name} | {summary['runs']} ({summary['failed_runs']}) | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", help="print the markdown table of an existing results file and exit")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", nargs="*", help="scenario names (substring match)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
     args = parser.parse_args()
+    if args.table:
+        print(markdown_table(json.loads(Path(args.table).read_text())["results"]))
+        return
     results: dict[str, dict] = {}
     plan: list[tuple[str, object]] = [(name, extra) for name, extra in SCENARIOS.items()]
     plan += [("torchrun + torch.save, fault-free", False), ("torchrun + torch.save, SIGKILL worker", True)]

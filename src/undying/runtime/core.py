@@ -62,7 +62,7 @@ from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.optim import CommitOptimizer
 from undying.runtime.pg import CollectiveError, GenerationGroup, choose_backend, connect_store, reapers_alive
 from undying.runtime.reporter import Reporter
-from undying.runtime.rng import capture_rng, restore_rng
+from undying.runtime.rng import capture_rng, restore_rng, rng_from_bytes, rng_to_bytes
 
 SHARED_STATE_FILE = "train_state.pt"  # model, optimizer and data position: written once, by rank 0
 RESULT_FILE = "result.json"
@@ -159,6 +159,7 @@ class Runtime:
         self._updated = False
         self._commit_rng: dict[str, Any] = {}
         self._commit_loaders: list[dict[str, Any]] = []
+        self._mirrored: tuple[int, bytes] = (-1, b"")  # (step, encoded RNG) last written to the store
         self.reporter.emit(ev.WORKER_READY, step=0, seconds=round(time.time() - started, 4),
                            backend=self.backend, pid=os.getpid(), joining=self.joining)
 
@@ -328,10 +329,13 @@ class Runtime:
         """Keep this rank's RNG state for ``step`` in the job's store, where a replacement finds it
         even when this process and its node are gone (a few KB per step)."""
         key = f"{self.store_prefix}/rng/{self.rank}"
-        self.store.set(f"{key}/{step}", _to_bytes(state if state is not None else capture_rng()))
-        stale = step - RNG_MIRROR_KEEP
-        if stale >= 0:
-            self.store.delete_key(f"{key}/{stale}")
+        data = rng_to_bytes(state if state is not None else capture_rng())
+        if self._mirrored == (step, data):
+            return  # the pre-vote mirror of this step already holds exactly this state
+        self.store.set(f"{key}/{step}", data)
+        if self._mirrored[0] != step and step - RNG_MIRROR_KEEP >= 0:
+            self.store.delete_key(f"{key}/{step - RNG_MIRROR_KEEP}")
+        self._mirrored = (step, data)
 
     # ------------------------------------------------------------- recovery
 
@@ -444,7 +448,7 @@ class Runtime:
         if not self.store.check([key]):
             self.reporter.emit(ev.RNG_NOT_MIRRORED, step=step, key=key)
             return {}
-        return _from_bytes(self.store.get(key))
+        return rng_from_bytes(self.store.get(key))
 
     def _dump(self, plan: Plan) -> None:
         """The dying checkpoint: the chosen replica writes the committed state; everyone else waits."""
