@@ -36,6 +36,7 @@ PROCESS = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
            "--recover-strategy", "retry,recover-in-place,recover,dump"]
 SCENARIOS: dict[str, list[str]] = {
     "fault-free": [],
+    "fault-free, warm standby off": ["--set", "warm_standby=false"],
     "job-restart, SIGKILL worker": ["--inject", f"kill:rank=1:step={FAULT_STEP}"],
     "job-restart, SIGSTOP worker (hang)": ["--inject", f"hang:rank=1:step={FAULT_STEP}"],
     "retry, exception in step": [*PROCESS, "--inject", f"raise:rank=1:step={FAULT_STEP}"],
