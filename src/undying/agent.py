@@ -156,6 +156,7 @@ class Agent:
             elif order.kind == ORDER_STOP:
                 self._stop_workers(grace=self._grace())
             elif order.kind == ORDER_EXIT:
+                self._stopping = True
                 self._stop_workers(grace=self._grace() if self._any_running() else 0.0)
                 return 0
 

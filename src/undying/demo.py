@@ -1,8 +1,10 @@
 """``undying demo``: a small GPT on 2 simulated nodes x 2 workers, a worker killed mid-run, recovery shown.
 
-Runs in the CLI process: it launches the example job (and, unless told not to, a
-fault-free reference run), then prints from the event log what happened and
-whether the recovered run ended bitwise equal to the fault-free one.
+Runs in the CLI process: it launches the example job with process-level recovery
+(the killed rank is replaced from the node's warm standby; the other ranks keep their
+processes), and, unless told not to, a fault-free reference run; then it prints from
+the event log what happened and whether the recovered run ended bitwise equal to the
+fault-free one.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from undying.report import render_summary, summarize, write_report
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "train.py"
 DEMO_FLAGS = ["--nnodes", "2", "--nproc-per-node", "2", "--monitor-interval", "0.5",
-              "--checkpoint-interval", "10", "--set", "heartbeat_interval=0.5", "--set", "heartbeat_timeout=5"]
+              "--checkpoint-interval", "20", "--set", "heartbeat_interval=0.5", "--set", "heartbeat_timeout=5",
+              "--set", "process_recover=true", "--set", "pod_rescheduling=on",
+              "--recover-strategy", "retry,recover-in-place,recover,dump"]
 
 
 def _run(run_dir: Path, steps: int, injections: list[str], quiet: bool) -> int:

@@ -16,10 +16,10 @@ from undying import events as ev
 pytestmark = pytest.mark.faults
 
 
-def assert_recovered_bitwise(run: JobRun, reference: JobRun, reason: str) -> None:
+def assert_recovered_bitwise(run: JobRun, reference: JobRun, *reasons: str) -> None:
     assert run.returncode == 0, run.output + run.logs()
     faults = run.kinds(ev.FAULT_DETECTED)
-    assert faults and faults[0].details["reason"] == reason, [f.details for f in faults]
+    assert faults and faults[0].details["reason"] in reasons, [f.details for f in faults]
     assert run.kinds(ev.DECISION)[0].details["strategy"] == "job-restart"
     loads = [event for event in run.kinds(ev.CHECKPOINT_LOAD) if event.rank == 0]
     assert loads and loads[-1].step == 10, "must resume from the step-10 checkpoint, not from scratch"
@@ -55,8 +55,10 @@ def test_hung_worker_is_detected_and_restarted(reference_run: JobRun, tmp_path: 
 
 def test_exception_in_step_restarts(reference_run: JobRun, tmp_path: Path) -> None:
     run = run_job(tmp_path, ["--inject", "raise:rank=0:step=15"])
-    assert_recovered_bitwise(run, reference_run, "worker_exit")
-    assert run.kinds(ev.FAULT_DETECTED)[0].details["exitcode"] == 1
+    # The raising rank's exit, or its peers' report that the step failed: either is the fault.
+    assert_recovered_bitwise(run, reference_run, "worker_exit", "step_failed")
+    exits = [e for e in run.kinds(ev.WORKER_EXIT) if e.rank == 0 and e.generation == 1]
+    assert exits and exits[0].details["exitcode"] in (1, -9)
 
 
 def test_max_restarts_exhausted_fails_cleanly(tmp_path: Path) -> None:
@@ -105,4 +107,5 @@ def test_stop_signal_leaves_no_process(tmp_path: Path, signum: int) -> None:
     assert wait_no_processes(mark) == []
     from undying.events import read_events
 
-    assert read_events(tmp_path)[-1].kind == ev.JOB_END
+    ends = [e for e in read_events(tmp_path) if e.kind == ev.JOB_END]
+    assert len(ends) == 1 and ends[0].details["outcome"] == "cancelled"

@@ -365,6 +365,8 @@ class Controller:
 
     def _record_worker(self, node: NodeRecord, status: WorkerStatus) -> None:
         node.workers[status.rank] = status
+        if self.state.terminal:
+            return  # the job has ended; its workers being stopped is no news
         record = self.ranks.get(status.rank)
         if record is None or status.generation != record.spawn_generation or record.exitcode is not None:
             return

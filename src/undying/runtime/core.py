@@ -563,10 +563,24 @@ def _exit_without_teardown_if_reaping() -> None:
         os._exit(0)
 
 
+def _excepthook_then_freeze(previous: Any) -> Any:
+    """An uncaught exception ends the worker: print it as usual, then spare the interpreter's final
+    garbage collection over torch's objects (seconds on these machines), so the agent sees the
+    exit, and the controller the real cause, at once."""
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
+        previous(kind, value, traceback)
+        sys.stderr.flush()
+        gc.freeze()
+
+    return hook
+
+
 def init() -> Runtime:
     """Join the job this process was started in (or a one-process standalone job)."""
     global _runtime
     if _runtime is None:
         _runtime = Runtime()
         atexit.register(_exit_without_teardown_if_reaping)
+        sys.excepthook = _excepthook_then_freeze(sys.excepthook)
     return _runtime
