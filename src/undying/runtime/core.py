@@ -422,7 +422,8 @@ class Runtime:
         self._mark_commit_boundary()
 
     def _replica_state(self) -> dict[str, Any]:
-        """Everything a replica shares, as of the last committed step (the step in flight excluded)."""
+        """Everything a replica shares, as of the last committed step (the step in flight excluded):
+        what a newcomer receives, what a dump writes, and the shared file of a periodic checkpoint."""
         return {
             "committed_step": self.committed_step,
             "models": [model.module.state_dict() for model in self.models],
@@ -482,7 +483,7 @@ class Runtime:
         staging = staging_dir(root, step, self.generation)
         records: list[FileRecord] = []
         if self.is_main:
-            records.append(save_object(staging, SHARED_STATE_FILE, self._shared_state()))
+            records.append(save_object(staging, SHARED_STATE_FILE, self._replica_state()))
         records.append(save_object(staging, rank_state_file(self.rank), self._rank_state()))
         group = self._current_group()
         gathered = group.gather_objects(f"ckpt/{step}", json.dumps([asdict(r) for r in records]).encode())
@@ -493,14 +494,6 @@ class Runtime:
             self.reporter.emit(ev.CHECKPOINT_SAVE, step=step, path=str(committed.path),
                                seconds=round(time.time() - started, 4), bytes=sum(f.size for f in files))
         self._set_phase(PHASE_UPDATED)
-
-    def _shared_state(self) -> dict[str, Any]:
-        return {
-            "committed_step": self.committed_step,
-            "models": [model.module.state_dict() for model in self.models],
-            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
-            "loaders": [loader.state_dict() for loader in self.loaders],
-        }
 
     def _rank_state(self) -> dict[str, Any]:
         return {"rng": capture_rng(), "statefuls": {name: obj.state_dict() for name, obj in self.statefuls.items()}}
@@ -519,13 +512,7 @@ class Runtime:
         if step < 0:
             return
         checkpoint = next(c for c in list_committed(root) if c.step == step)
-        shared = load_object(checkpoint, SHARED_STATE_FILE, map_location=self.device)
-        for model, state in zip(self.models, shared["models"], strict=True):
-            model.module.load_state_dict(state)
-        for optimizer, state in zip(self.optimizers, shared["optimizers"], strict=True):
-            optimizer.load_state_dict(state)
-        for loader, state in zip(self.loaders, shared["loaders"], strict=True):
-            loader.load_state_dict(state)
+        self._load_replica_state(load_object(checkpoint, SHARED_STATE_FILE, map_location=self.device))
         if checkpoint.manifest.world_size == self.world_size:
             mine = load_object(checkpoint, rank_state_file(self.rank))
             if mine["rng"]:
@@ -533,10 +520,6 @@ class Runtime:
             for name, state in mine["statefuls"].items():
                 if name in self.statefuls:
                     self.statefuls[name].load_state_dict(state)
-        for name, state in shared.get("statefuls", {}).items():
-            if name in self.statefuls:
-                self.statefuls[name].load_state_dict(state)
-        self.committed_step = shared["committed_step"]
         self._resumed_from = self.committed_step
         self.reporter.update(step=self.committed_step)
         self.reporter.emit(ev.CHECKPOINT_LOAD, step=self.committed_step, path=str(checkpoint.path),
