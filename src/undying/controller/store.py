@@ -35,7 +35,3 @@ class JobStore:
             timeout=timedelta(seconds=timeout),
             master_listen_fd=self._socket.fileno(),
         )
-
-    def delete_prefix_keys(self, keys: list[str]) -> None:
-        for key in keys:
-            self.store.delete_key(key)
