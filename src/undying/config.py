@@ -103,6 +103,8 @@ class JobSpec(BaseModel):
     heartbeat_interval: float = Field(1.0, gt=0)
     heartbeat_timeout: float = Field(10.0, gt=0)
     start_timeout: float = Field(300.0, gt=0)
+    # Seconds a live rank may go without committing a step before it counts as hung (None: off).
+    step_timeout: float | None = Field(None, gt=0)
     node_return_timeout: float = Field(120.0, gt=0)
     watchdog: Literal["on", "off", "detect-only"] = "on"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -122,6 +124,7 @@ class JobSpec(BaseModel):
         "heartbeat_interval",
         "heartbeat_timeout",
         "start_timeout",
+        "step_timeout",
         "node_return_timeout",
         "nnodes",
         "min_nodes",

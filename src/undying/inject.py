@@ -6,6 +6,8 @@ Syntax (``--inject``, may be repeated): ``KIND:key=value:key=value``
 - ``node:node=N:step=S``   SIGKILL node N's agent and all its workers at step S
 - ``hang:rank=R:step=S``   SIGSTOP worker R at step S (a hang, not a death)
 - ``raise:rank=R:step=S``  raise an exception inside step S on worker R
+- ``stall:rank=R:step=S``  worker R's training thread blocks forever at step S while the
+  process (and its heartbeat thread) stays alive: a hang only ``step_timeout`` catches
 
 ``:at=recovery`` or ``:at=dump`` moves the fault from the start of a training step to the
 moment the worker starts its part of a recovery or of a dying checkpoint (then ``step=``
@@ -21,10 +23,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
-KINDS = {"kill": "rank", "node": "node", "hang": "rank", "raise": "rank"}
-SYNTAX = "KIND:rank=R:step=S (KIND: kill, hang, raise) or node:node=N:step=S, optionally :at=recovery|dump"
+KINDS = {"kill": "rank", "node": "node", "hang": "rank", "raise": "rank", "stall": "rank"}
+SYNTAX = "KIND:rank=R:step=S (KIND: kill, hang, raise, stall) or node:node=N:step=S, optionally :at=recovery|dump"
 POINTS = ("step", "recovery", "dump")
 
 
@@ -125,3 +128,6 @@ def fire(injection: Injection) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif injection.kind == "raise":
         raise InjectedFault(f"injected fault {injection.text()}")
+    elif injection.kind == "stall":
+        while True:
+            time.sleep(3600)

@@ -46,6 +46,7 @@ ENV_JOINING = "UNDYING_JOINING"  # "1": this worker replaces a lost rank in a li
 # Phases a worker reports in its heartbeat (ARCHITECTURE.md "A step is a transaction").
 PHASE_STARTING = "starting"
 PHASE_COMPUTING = "computing"
+PHASE_SYNCING = "syncing"  # in the gradient all-reduce: waiting on peers, not stuck itself
 PHASE_UPDATING = "updating"
 PHASE_UPDATED = "updated"
 PHASE_CHECKPOINTING = "checkpointing"

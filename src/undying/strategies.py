@@ -51,6 +51,8 @@ class Fault:
             return f"node {self.node} lost (agent gone)"
         if self.reason == "heartbeat_missed":
             return f"{where} missed its heartbeats (hang?)"
+        if self.reason == "step_stalled":
+            return f"{where} is alive but committed no step within step_timeout (hang?)"
         if self.reason == "step_failed":
             return f"{where} could not complete its step ({self.detail})" if self.detail else \
                 f"{where} could not complete its step"

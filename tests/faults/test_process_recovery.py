@@ -84,6 +84,13 @@ def test_recover_in_place_after_hang(reference_run: JobRun, tmp_path: Path) -> N
     assert_survivors_kept(run, {3}, "recover-in-place")
 
 
+def test_recover_in_place_after_stalled_training_thread(reference_run: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--set", "step_timeout=3", "--inject", "stall:rank=2:step=15"])
+    assert_bitwise(run, reference_run)
+    assert run.kinds(ev.FAULT_DETECTED)[0].details["reason"] == "step_stalled"
+    assert_survivors_kept(run, {2}, "recover-in-place")
+
+
 def test_second_fault_during_recovery(reference_run: JobRun, tmp_path: Path) -> None:
     run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "kill:rank=1:step=15",
                              "--inject", "kill:rank=2:at=recovery"])

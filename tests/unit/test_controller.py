@@ -371,6 +371,38 @@ def test_a_rank_that_stops_heartbeating_is_a_heartbeat_missed_fault(make_job):
     assert job.controller.faults_total == {"heartbeat_missed": 1}
 
 
+def test_a_live_rank_that_commits_no_step_is_a_step_stalled_fault(make_job):
+    job = make_job(nproc_per_node=1, heartbeat_timeout=5.0, step_timeout=0.3)
+    job.start_running()
+    # The rank keeps beating (its heartbeat thread is alive) but its step never moves after step 7.
+    job.beat(0, 6)
+    until = time.time() + 0.2
+    while time.time() < until:
+        job.beat(0, 7)
+        job.poll(0, 1, job.statuses(0, 1), wait=0.02)
+    assert job.events(ev.FAULT_DETECTED) == []
+    deadline = time.time() + 3.0
+    while not job.events(ev.FAULT_DETECTED) and time.time() < deadline:
+        job.beat(0, 7)
+        job.poll(0, 1, job.statuses(0, 1), wait=0.05)
+    [fault] = job.events(ev.FAULT_DETECTED)
+    assert (fault.details["reason"], fault.rank, fault.step) == ("step_stalled", 0, 7)
+    assert "committed no step within step_timeout" in fault.details["description"]
+
+
+def test_step_stall_is_only_reported_with_watchdog_detect_only(make_job):
+    job = make_job(nproc_per_node=1, heartbeat_timeout=5.0, step_timeout=0.2, watchdog="detect-only")
+    job.start_running()
+    job.beat(0, 2)
+    until = time.time() + 1.0
+    while time.time() < until:
+        job.beat(0, 3)
+        job.poll(0, 1, job.statuses(0, 1), wait=0.05)
+    assert job.events(ev.FAULT_DETECTED) == []
+    assert len(job.events(ev.HANG_SUSPECTED)) == 1
+    assert job.controller.state is JobState.RUNNING
+
+
 def test_a_rank_that_never_heartbeats_is_a_start_timeout_fault(make_job):
     job = make_job(nproc_per_node=1, start_timeout=0.3)
     job.start_running()

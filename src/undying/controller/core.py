@@ -70,7 +70,7 @@ HEARTBEAT_LOG_EVERY = 0.5
 # (a dead peer's exit, a lost node), so the decision is made on the real fault.
 STEP_FAILED_GRACE = 0.5
 # Faults that mean the rank's process is gone or no longer usable.
-PROCESS_FAULTS = ("worker_exit", "heartbeat_missed", "start_timeout", "exit_timeout")
+PROCESS_FAULTS = ("worker_exit", "heartbeat_missed", "start_timeout", "exit_timeout", "step_stalled")
 
 
 @dataclass
@@ -104,6 +104,8 @@ class RankRecord:
     logged_step: int | None = None
     step: int = 0
     phase: str = "starting"
+    last_progress: float | None = None  # when ``step`` last changed (the step-progress watchdog)
+    hang_reported_step: int | None = None  # watchdog off/detect-only: the step a hang was logged at
     pid: int | None = None
     done: bool = False
     done_at: float | None = None
@@ -215,6 +217,8 @@ class Controller:
                 return reply
             now = time.time()
             record.last_heartbeat = now
+            if beat.step != record.step:
+                record.last_progress = now  # armed from a rank's first committed step on
             record.step = beat.step
             record.phase = beat.phase
             record.pid = beat.pid
@@ -422,6 +426,12 @@ class Controller:
                 if self.spec.watchdog == "on":
                     return fault
                 self._note_unacted_hang(record, fault)
+            elif self._stalled(record, now):
+                # Alive (its heartbeat thread beats) but its training thread commits no step.
+                fault = Fault("step_stalled", node=record.node, rank=record.rank, step=record.step)
+                if self.spec.watchdog == "on":
+                    return fault
+                self._note_unacted_hang(record, fault)
         everyone_reported = len({fault.rank for _, fault in self._step_failures}) == len(self.ranks)
         if self._step_failures and (everyone_reported or now - self._step_failures[0][0] >= STEP_FAILED_GRACE):
             _, fault = self._step_failures.pop(0)
@@ -429,10 +439,16 @@ class Controller:
             return fault
         return None
 
+    def _stalled(self, record: RankRecord, now: float) -> bool:
+        timeout = self.spec.step_timeout
+        # Only a rank still computing is stuck itself: its peers wait in the all-reduce ("syncing").
+        return (timeout is not None and record.last_progress is not None
+                and record.phase == "computing" and now - record.last_progress > timeout)
+
     def _note_unacted_hang(self, record: RankRecord, fault: Fault) -> None:
-        """watchdog off / detect-only: a hang is reported (once per silence), never acted on."""
-        if record.phase != "hang-reported":
-            record.phase = "hang-reported"
+        """watchdog off / detect-only: a hang is reported (once per stuck step), never acted on."""
+        if record.hang_reported_step != record.step:
+            record.hang_reported_step = record.step
             self.emit(ev.HANG_SUSPECTED, node=record.node, rank=record.rank, step=record.step,
                       generation=self.generation,
                       details={"watchdog": self.spec.watchdog, "description": fault.describe()})
@@ -554,6 +570,7 @@ class Controller:
             if plan.action != "dump":
                 for rank in recovery.survivors | recovery.newcomers:
                     self.ranks[rank].step = plan.target_step
+                    self.ranks[rank].last_progress = None  # re-armed by the first step after the repair
                 self.recovery = None
                 self._transition(JobState.RUNNING)
             self._cond.notify_all()

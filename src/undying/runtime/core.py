@@ -53,6 +53,7 @@ from undying.protocol import (
     PHASE_COMPUTING,
     PHASE_DONE,
     PHASE_RECOVERING,
+    PHASE_SYNCING,
     PHASE_UPDATED,
     PLAN_DUMP,
     PLAN_RESUME,
@@ -287,6 +288,7 @@ class Runtime:
         if self._voted:
             return self._step_failure is None
         self._voted = True
+        self._set_phase(PHASE_SYNCING)
         if vote_ok:
             self._mirror_rng(self.committed_step + 1)
         try:
