@@ -45,6 +45,8 @@ SCENARIOS: dict[str, list[str]] = {
     "recover-in-place, SIGKILL worker, warm standby": [*PROCESS, "--inject", f"kill:rank=1:step={FAULT_STEP}"],
     "recover-in-place, SIGSTOP worker (hang)": [*PROCESS, "--inject", f"hang:rank=1:step={FAULT_STEP}"],
     "recover, SIGKILL node": [*PROCESS, "--inject", f"node:node=1:step={FAULT_STEP}"],
+    "recover, SIGKILL node, onto a standby agent": [*PROCESS, "--standby", "1",
+                                                    "--inject", f"node:node=1:step={FAULT_STEP}"],
     "dump, SIGKILL worker": ["--set", "process_recover=true", "--recover-strategy", "dump",
                              "--inject", f"kill:rank=1:step={FAULT_STEP}"],
 }

@@ -17,6 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 MARK_ENV = "UNDYING_TEST_MARK"
+FINAL_STATE = "final_state.pt"  # where a test run's rank 0 saves its final parameters
 
 # The job every fault test runs: 2 simulated nodes x 2 workers, checkpoints every 10 steps.
 STEPS = 30
@@ -25,7 +26,9 @@ BASE_ARGS = ["--nnodes", "2", "--nproc-per-node", "2", "--monitor-interval", "0.
              "--set", "heartbeat_interval=0.5", "--set", "heartbeat_timeout=4",
              "--set", "node_return_timeout=60", "--set", "comm_timeout=20",
              # A warm standby imports torch beside the starting workers; only the test of it needs one.
-             "--set", "warm_standby=false"]
+             "--set", "warm_standby=false",
+             # Every committed step's sample indices, per rank: exactly-once checks read them.
+             "--set", "sample_log=true"]
 
 
 @dataclass
@@ -47,6 +50,15 @@ class JobRun:
 
     def kinds(self, kind: str) -> list:
         return [event for event in self.events if event.kind == kind]
+
+    def samples(self) -> dict[int, list[dict]]:
+        """The sample log (``sample_log: true``): step -> one record per rank that committed it."""
+        by_step: dict[int, list[dict]] = {}
+        for log in sorted((self.run_dir / "samples").glob("*.jsonl")):
+            for line in log.read_text().splitlines():
+                record = json.loads(line)
+                by_step.setdefault(record["step"], []).append(record)
+        return by_step
 
     def logs(self) -> str:
         parts = []
@@ -86,9 +98,9 @@ def undying_command(args: list[str]) -> list[str]:
 
 
 def start_job(run_dir: Path, extra: list[str], steps: int = STEPS,
-              script_args: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+              script_args: list[str] | None = None, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     mark = uuid.uuid4().hex
-    env = dict(os.environ, **{MARK_ENV: mark, "PYTHONUNBUFFERED": "1"})
+    env = dict(os.environ, **(env or {}), **{MARK_ENV: mark, "PYTHONUNBUFFERED": "1"})
     command = undying_command(["run", *BASE_ARGS, "--run-dir", str(run_dir), *extra, str(EXAMPLE),
                                "--steps", str(steps), *(script_args or [])])
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -96,8 +108,9 @@ def start_job(run_dir: Path, extra: list[str], steps: int = STEPS,
     return process, mark
 
 
-def run_job(run_dir: Path, extra: list[str] | None = None, steps: int = STEPS, timeout: float = 240) -> JobRun:
-    process, mark = start_job(run_dir, extra or [], steps)
+def run_job(run_dir: Path, extra: list[str] | None = None, steps: int = STEPS, timeout: float = 240,
+            script_args: list[str] | None = None, env: dict[str, str] | None = None) -> JobRun:
+    process, mark = start_job(run_dir, extra or [], steps, script_args, env)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -112,6 +125,7 @@ def run_job(run_dir: Path, extra: list[str] | None = None, steps: int = STEPS, t
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     """The fault-free run every recovered run must match bit for bit."""
-    run = run_job(tmp_path_factory.mktemp("reference"))
+    run_dir = tmp_path_factory.mktemp("reference")
+    run = run_job(run_dir, script_args=["--final-state", str(run_dir / FINAL_STATE)])
     assert run.returncode == 0, run.output + run.logs()
     return run

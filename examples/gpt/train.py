@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--step-sleep", type=float, default=0.0,
+                        help="seconds to sleep in each step: stretches a run (tests) without changing its numbers")
+    parser.add_argument("--final-state", default=None, help="rank 0 saves the final parameters here (tests)")
     args = parser.parse_args()
 
     # One thread by default: bitwise-repeatable CPU kernels, and 4 ranks fit on 2 cores.
@@ -55,16 +59,23 @@ def main() -> None:
     last_loss = None
     for step in ft.steps(args.steps):
         with step:  # optional: lets `retry` re-run a step that raised, without a process restart
-            x, y = next(loader)
-            _, loss = model(x.to(ft.device), y.to(ft.device))
-            loss.backward()
+            losses = []
+            # One batch per step; more micro-batches when an elastic shrink keeps the global batch.
+            for x, y in loader.step_batches():
+                _, loss = model(x.to(ft.device), y.to(ft.device))
+                loss.backward()
+                losses.append(loss.item())
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            last_loss = loss.item()
+            last_loss = sum(losses) / len(losses)
         ft.log(loss=last_loss)
         if ft.is_main and step % args.log_every == 0:
             print(f"step {step:5d} | loss {last_loss:.4f}", flush=True)
 
+    if args.final_state and ft.is_main:
+        torch.save(model.module.state_dict(), args.final_state)
     ft.finish(result={"final_loss": last_loss, "param_sha256": undying.param_sha256(model.module)})
 
 

@@ -4,7 +4,9 @@ Runs in its own process (``python -m undying.agent`` for a simulated node, or in
 ``undying run --node-rank R`` on a real one). It polls its workers every
 ``monitor_interval`` seconds, reports their exits (code or signal) in each poll,
 and on orders starts a generation's workers, stops them, or exits. Workers share
-the agent's process group and die with it, as on a real node.
+the agent's process group and die with it, as on a real node. A spare agent
+(``--standby``) holds no ranks until the controller orders it to adopt a lost
+node's place; it then says hello as that node and serves its ranks.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from undying.protocol import (
     ENV_SPEC,
     ENV_STORE_PREFIX,
     ENV_TOKEN,
+    ORDER_ADOPT,
     ORDER_EXIT,
     ORDER_REPLACE,
     ORDER_START,
@@ -50,6 +53,7 @@ from undying.protocol import (
     Order,
     WorkerStatus,
 )
+from undying.shm import claim_node_dir, remove_node_dir, remove_stale
 from undying.standby import can_serve
 
 ENV_DIE_WITH_PARENT = "UNDYING_AGENT_DIE_WITH_PARENT"
@@ -73,8 +77,10 @@ class Agent:
         run_dir: Path,
         command: list[str],
         injections_text: str = "",
+        spare: bool = False,
     ) -> None:
         self.node = node
+        self.spare = spare  # a standby node until it adopts a lost node's place
         self.spec = spec
         self.controller_address = controller_address
         self.token = token
@@ -87,7 +93,9 @@ class Agent:
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self.worker_generations: dict[int, int] = {}  # rank -> generation its process was started in
         self.local_ranks: dict[int, int] = {}
-        self.standby: subprocess.Popen[bytes] | None = None
+        self.standbys: list[subprocess.Popen[bytes]] = []  # warm interpreters ready to become a rank
+        # A node keeps one warm standby (a failed rank is replaced); a spare keeps a whole node's worth.
+        self.standby_target = spec.nproc_per_node if spare else 1
         self.standby_due: float | None = None  # when to pre-start the next warm standby
         self._stopping = False
 
@@ -98,6 +106,7 @@ class Agent:
         signal.signal(signal.SIGINT, self._on_signal)
         try:
             self._hello()
+            self._claim_shared_memory()
             return self._loop()
         except AgentStopped:
             return 0
@@ -107,6 +116,8 @@ class Agent:
         finally:
             self._stop_workers(grace=0.0)
             self._drop_standby()
+            if self.job_id:
+                remove_node_dir(self.job_id, self.node)  # this node's T1 snapshots end with the job
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stopping = True
@@ -114,7 +125,8 @@ class Agent:
 
     def _hello(self) -> None:
         deadline = time.time() + self.spec.node_return_timeout
-        hello = AgentHello(self.node, os.getpid(), socket.gethostname(), self.spec.nproc_per_node)
+        hello = AgentHello(self.node, os.getpid(), socket.gethostname(), self.spec.nproc_per_node,
+                           standby=self.spare)
         while True:
             try:
                 reply = HelloReply.from_dict(self.client.post(ROUTE_AGENT_HELLO, hello.to_dict()))
@@ -126,7 +138,19 @@ class Agent:
             if not reply.accepted:
                 raise SystemExit(f"undying agent {self.node}: controller refused: {reply.reason}")
             self.job_id = reply.job_id
+            if self.spare and self.spec.warm_standby and not self.standbys:
+                # Idle until needed: have the replacement interpreter ready before that.
+                self.standby_due = time.time() + STANDBY_DELAY
             return
+
+    def _claim_shared_memory(self) -> None:
+        """Own this node's T1 snapshot directory for the job, after clearing crashed jobs' leftovers."""
+        try:
+            remove_stale(keep_job=self.job_id)
+            claim_node_dir(self.job_id, self.node)
+        except OSError as error:
+            # Workers then snapshot into private memory (event snapshot_unavailable): T1 is an optimization.
+            print(f"undying agent {self.node}: no node shared memory for snapshots: {error}", file=sys.stderr)
 
     def _loop(self) -> int:
         unreachable_since: float | None = None
@@ -153,12 +177,26 @@ class Agent:
                 self._start_workers(order)
             elif order.kind == ORDER_REPLACE:
                 self._replace_workers(order)
+            elif order.kind == ORDER_ADOPT:
+                self._adopt(order.node)
             elif order.kind == ORDER_STOP:
                 self._stop_workers(grace=self._grace())
             elif order.kind == ORDER_EXIT:
                 self._stopping = True
                 self._stop_workers(grace=self._grace() if self._any_running() else 0.0)
                 return 0
+
+    def _adopt(self, node: int) -> None:
+        """Become ``node`` (a rescheduled pod landing on this spare): its ranks are started next."""
+        print(f"undying agent {self.node}: standby agent takes the place of node {node}", file=sys.stderr,
+              flush=True)
+        if self.job_id:
+            remove_node_dir(self.job_id, self.node)  # the spare id's (empty) T1 directory
+        self.node = node
+        self.spare = False
+        self.standby_target = 1  # the pool warmed for this node's ranks is used up by their start
+        self._hello()
+        self._claim_shared_memory()
 
     # ------------------------------------------------------------------ workers
 
@@ -188,7 +226,7 @@ class Agent:
         self.local_ranks = {rank: local for local, rank in enumerate(order.ranks)}
         for rank in order.ranks:
             self._spawn(rank, order, joining=False)
-        if self.spec.warm_standby and self.standby is None:
+        if self.spec.warm_standby and not self.standbys:
             # Not now: the standby's own torch import would compete with the workers' start.
             self.standby_due = time.time() + STANDBY_DELAY
 
@@ -236,9 +274,8 @@ class Agent:
         log.write(f"--- generation {order.generation}{kind} ---\n".encode())
         log.flush()
         if warm:
-            assert self.standby is not None and self.standby.stdin is not None
-            process = self.standby
-            self.standby = None
+            process = self.standbys.pop(0)
+            assert process.stdin is not None
             self.standby_due = time.time() + STANDBY_DELAY
             env[ENV_WARM] = "1"
             process.stdin.write((json.dumps({"env": env, "command": self.command, "log": str(log_path)})
@@ -269,25 +306,28 @@ class Agent:
 
     def _keep_standby(self) -> None:
         """Pre-start a warm standby when one is due (the agent's main thread: PDEATHSIG is per thread)."""
-        if self.standby is not None and self.standby.poll() is not None:
-            self.standby = None
-            self.standby_due = time.time() + STANDBY_DELAY
-        if self.standby is None and self.standby_due is not None and time.time() >= self.standby_due \
+        alive = [process for process in self.standbys if process.poll() is None]
+        if len(alive) < len(self.standbys):
+            self.standbys = alive
+            self.standby_due = self.standby_due or time.time() + STANDBY_DELAY
+        if len(self.standbys) < self.standby_target and self.standby_due is not None \
+                and time.time() >= self.standby_due \
                 and can_serve(self.command):
             log = open(self.run_dir / "logs" / f"standby{self.node}.log", "ab")  # noqa: SIM115 - child's
-            self.standby = subprocess.Popen([sys.executable, "-u", "-m", "undying.standby"],
-                                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                            preexec_fn=die_with_parent)
+            for _ in range(self.standby_target - len(self.standbys)):
+                self.standbys.append(subprocess.Popen([sys.executable, "-u", "-m", "undying.standby"],
+                                                      stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                                      preexec_fn=die_with_parent))
             log.close()
             self.standby_due = None
 
     def _standby_ready(self) -> bool:
-        return self.spec.warm_standby and self.standby is not None and self.standby.poll() is None
+        self.standbys = [process for process in self.standbys if process.poll() is None]
+        return self.spec.warm_standby and bool(self.standbys)
 
     def _drop_standby(self) -> None:
-        if self.standby is not None:
-            stop_processes([self.standby], grace=0.0)
-            self.standby = None
+        stop_processes(self.standbys, grace=0.0)
+        self.standbys = []
 
     def _stop_workers(self, grace: float) -> None:
         stop_processes(list(self.workers.values()), grace)
@@ -298,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", type=int, required=True)
     parser.add_argument("--controller", required=True)
     parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--standby", action="store_true", help="a spare node: no ranks until it adopts one")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if os.environ.get(ENV_DIE_WITH_PARENT) == "1":
@@ -305,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = spec_from_json(os.environ[ENV_SPEC])
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     agent = Agent(args.node, spec, args.controller, os.environ[ENV_TOKEN], Path(args.run_dir), command,
-                  os.environ.get(ENV_INJECT, ""))
+                  os.environ.get(ENV_INJECT, ""), spare=args.standby)
     return agent.run()
 
 

@@ -61,6 +61,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workers per node; default 1")
     parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
                         help="this node's rank (multi-node); omit to simulate every node on this machine")
+    parser.add_argument("--standby", type=int, default=0, metavar="K",
+                        help="spare nodes that take a lost node's place at once: K simulated spare agents "
+                             "here; with --node-rank R (R >= nnodes), this machine joins as a spare")
     parser.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=None,
                         help="job-level restarts before giving up (default 32767)")
     parser.add_argument("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float,
@@ -149,7 +152,13 @@ def command_run(args: argparse.Namespace) -> int:
         check_targets(injections, spec.world_size, spec.nnodes)
     except (SpecError, InjectionSpecError) as error:
         fail(str(error))
-    if args.node_rank is not None and not 0 <= args.node_rank < spec.nnodes:
+    if args.standby < 0:
+        fail(f"--standby: allowed 0 or more spare nodes (got {args.standby})")
+    spare_node = args.node_rank is not None and args.standby > 0
+    if spare_node and args.node_rank < spec.nnodes:
+        fail(f"--node-rank: a spare node (--standby) needs a node rank >= nnodes ({spec.nnodes}), "
+             f"got {args.node_rank}")
+    if args.node_rank is not None and not spare_node and not 0 <= args.node_rank < spec.nnodes:
         fail(f"--node-rank: allowed 0..{spec.nnodes - 1} (got {args.node_rank})")
     if args.node_rank is not None and spec.nnodes > 1 and not args.token_file:
         fail("--token-file is required for a multi-node job (every node must hold the same secret)")
@@ -158,7 +167,8 @@ def command_run(args: argparse.Namespace) -> int:
     options = LaunchOptions(
         spec=spec, command=worker_command(args), run_dir=Path(args.run_dir) if args.run_dir else default_run_dir(),
         node_rank=args.node_rank, controller_address=args.controller, controller_bind=args.controller_bind,
-        token=read_token(args.token_file), injections_text=encode(injections), quiet=args.quiet)
+        token=read_token(args.token_file), injections_text=encode(injections), quiet=args.quiet,
+        standby_agents=args.standby)
     return launch(options)
 
 

@@ -23,6 +23,9 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 # Spellings accepted for top-level keys besides the canonical field name (after "-" -> "_").
 _TOP_LEVEL_KEY_ALIASES = {"process_recover_enable": "process_recover"}
+# Test-only: seconds to wait for a lost node before an elastic shrink, below the 30 s floor of
+# wait_reschedule_timeout (MindCluster's range), so that fault tests stay short.
+ENV_WAIT_RESCHEDULE_OVERRIDE = "UNDYING_TEST_WAIT_RESCHEDULE_S"
 
 # Pydantic error type of the cross-field and list rules below; its ctx carries the message parts.
 _SPEC_RULE_ERROR = "job_spec_rule"
@@ -73,15 +76,23 @@ def _on_off_from_bool(value: Any) -> Any:
 
 class CheckpointSpec(BaseModel):
     """Where and how often workers save. ``dir=None`` means ``RUN_DIR/checkpoints``;
-    any local path or fsspec URL is accepted as-is (reachability is checked by the saver)."""
+    any local path or fsspec URL is accepted as-is (reachability is checked by the saver).
+
+    ``interval``: steps between T2 checkpoints (persisted in the background).
+    ``snapshot_interval``: steps between T1 snapshots into node shared memory (0: only at
+    T2 checkpoint steps). ``snapshot_slots``: T1 slots per rank, each the size of the rank's
+    state; with 2, snapshots pause while the persister holds one, with 3 they never do."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     dir: str | None = None
     interval: int = Field(100, ge=1)
     keep: int = Field(2, ge=1)
+    snapshot_interval: int = Field(1, ge=0)
+    snapshot_slots: int = Field(2, ge=2, le=8)
 
-    _reject_bool_numbers = field_validator("interval", "keep", mode="before")(_reject_bool)
+    _reject_bool_numbers = field_validator("interval", "keep", "snapshot_interval", "snapshot_slots",
+                                           mode="before")(_reject_bool)
 
 
 class JobSpec(BaseModel):
@@ -111,6 +122,10 @@ class JobSpec(BaseModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     compile_cache: str | None = None
     warm_standby: bool = True  # each agent keeps a pre-started interpreter to replace a rank quickly
+    # Elastic training: how a replica covers a lost replica's share of the global batch.
+    elastic_batch: Literal["accumulate", "grow"] = "accumulate"
+    # Every rank appends the sample indices of each committed step to RUN_DIR/samples/ (audits, tests).
+    sample_log: bool = False
     nnodes: int = Field(1, ge=1)
     min_nodes: int | None = None
     nproc_per_node: int = Field(1, ge=1)
@@ -191,6 +206,17 @@ class JobSpec(BaseModel):
     def world_size(self) -> int:
         """Number of worker processes when every node is present."""
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The fewest nodes elastic training may shrink to (``min_nodes``, else 1)."""
+        return self.min_nodes if self.min_nodes is not None else 1
+
+    def reschedule_wait(self) -> float:
+        """Seconds to wait for a lost node to come back before elastic training shrinks the job:
+        ``wait_reschedule_timeout``, unless the test-only environment override is set."""
+        override = os.environ.get(ENV_WAIT_RESCHEDULE_OVERRIDE)
+        return float(override) if override else float(self.wait_reschedule_timeout)
 
     def process_level_strategies(self) -> list[str]:
         """The listed strategies other than ``exit``, in the order they are to be tried."""

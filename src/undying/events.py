@@ -51,6 +51,11 @@ RNG_NOT_MIRRORED = "rng_not_mirrored"
 DUMP_BEGIN = "dump_begin"
 DUMP_COMMITTED = "dump_committed"
 HANG_SUSPECTED = "hang_suspected"  # watchdog off/detect-only: a hang seen and, by configuration, not acted on
+ELASTIC_SHRINK = "elastic_shrink"  # a lost node did not come back in time: fewer replicas (old/new world size)
+STANDBY_ADOPT = "standby_adopt"  # a spare agent was ordered to take a lost node's place
+ELASTIC_GROW = "elastic_grow"  # a returned node's ranks rejoined: back to more replicas (old/new world size)
+PERSIST_FAILED = "persist_failed"  # a background T2 write gave up (reason); the job trains on
+SNAPSHOT_UNAVAILABLE = "snapshot_unavailable"  # node shared memory could not hold a snapshot: private memory used
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Syntax (``--inject``, may be repeated): ``KIND:key=value:key=value``
 
 - ``kill:rank=R:step=S``   SIGKILL worker R as it reaches step S
-- ``node:node=N:step=S``   SIGKILL node N's agent and all its workers at step S
+- ``node:node=N:step=S``   SIGKILL node N's agent and all its workers at step S; with
+  ``:down=D`` the simulated node stays down D seconds before it is rescheduled (elastic tests)
 - ``hang:rank=R:step=S``   SIGSTOP worker R at step S (a hang, not a death)
 - ``raise:rank=R:step=S``  raise an exception inside step S on worker R
 - ``stall:rank=R:step=S``  worker R's training thread blocks forever at step S while the
@@ -12,7 +13,9 @@ Syntax (``--inject``, may be repeated): ``KIND:key=value:key=value``
 ``:at=recovery`` or ``:at=dump`` moves the fault from the start of a training step to the
 moment the worker starts its part of a recovery or of a dying checkpoint (then ``step=``
 is optional and, if given, is the step being recovered to): a second fault during the
-handling of the first.
+handling of the first. ``:at=persist`` fires it in the worker's background persister,
+after the shared shard's files are written and before the checkpoint is committed
+(``step=``, if given, is the step being persisted).
 
 Each injection fires at most once per job: the worker asks the controller to
 claim it first, so a replayed step after a restart does not fault again. Parsing
@@ -27,8 +30,9 @@ import time
 from dataclasses import dataclass
 
 KINDS = {"kill": "rank", "node": "node", "hang": "rank", "raise": "rank", "stall": "rank"}
-SYNTAX = "KIND:rank=R:step=S (KIND: kill, hang, raise, stall) or node:node=N:step=S, optionally :at=recovery|dump"
-POINTS = ("step", "recovery", "dump")
+SYNTAX = ("KIND:rank=R:step=S (KIND: kill, hang, raise, stall) or node:node=N:step=S[:down=SECONDS], "
+          "optionally :at=recovery|dump|persist")
+POINTS = ("step", "recovery", "dump", "persist")
 
 
 class InjectionSpecError(ValueError):
@@ -47,12 +51,14 @@ class Injection:
     rank: int | None = None
     node: int | None = None
     at: str = "step"
+    down: int | None = None  # node faults: seconds before the simulated node is rescheduled
 
     def text(self) -> str:
         target = f"node={self.node}" if self.kind == "node" else f"rank={self.rank}"
         step = "" if self.step is None else f":step={self.step}"
         point = "" if self.at == "step" else f":at={self.at}"
-        return f"{self.kind}:{target}{step}{point}"
+        down = "" if self.down is None else f":down={self.down}"
+        return f"{self.kind}:{target}{step}{point}{down}"
 
     def targets(self, rank: int, node: int, local_rank: int, step: int) -> bool:
         """Does this injection fire in this worker at this step? (A node fault fires on local rank 0.)"""
@@ -78,11 +84,13 @@ def parse_injection(text: str, index: int = 0) -> Injection:
             point = value
             values["at"] = 0
             continue
-        if (not sep or key not in ("rank", "node", "step") or key in values
+        allowed = ("rank", "node", "step", "down") if kind == "node" else ("rank", "node", "step")
+        if (not sep or key not in allowed or key in values
                 or not value.removeprefix("-").isdecimal()):
             raise InjectionSpecError(f"--inject {text!r}: bad field {part!r}; syntax: {SYNTAX}")
         values[key] = int(value)
     values.pop("at", None)
+    down = values.pop("down", None)
     target_key = KINDS[kind]
     required = {target_key} if point != "step" else {"step", target_key}
     if not required <= set(values) or not set(values) <= {"step", target_key}:
@@ -90,7 +98,9 @@ def parse_injection(text: str, index: int = 0) -> Injection:
         raise InjectionSpecError(f"--inject {text!r}: needs exactly {needs}; syntax: {SYNTAX}")
     if any(value < 0 for value in values.values()):
         raise InjectionSpecError(f"--inject {text!r}: {target_key} and step must be >= 0; syntax: {SYNTAX}")
-    return Injection(index=index, kind=kind, step=values.get("step"), at=point,
+    if down is not None and down < 0:
+        raise InjectionSpecError(f"--inject {text!r}: down must be >= 0; syntax: {SYNTAX}")
+    return Injection(index=index, kind=kind, step=values.get("step"), at=point, down=down,
                      **{target_key: values[target_key]})
 
 

@@ -3,9 +3,11 @@
 Runs in the ``undying run`` process. With ``--nnodes N`` and no ``--node-rank`` it
 simulates N nodes on this machine: one agent process per node, each leading its own
 process group (killing that group is a node dying), respawned when it dies as a
-rescheduled pod would be. With ``--node-rank R`` it is one node of a real
-multi-node job: node 0 hosts the controller and its own agent, the others run an
-agent that joins ``--controller HOST:PORT``.
+rescheduled pod would be. ``--standby K`` adds K spare agents (node ids from N on)
+that take a lost node's place at once; with spares, a dead node's agent comes back
+as a new spare rather than as itself. With ``--node-rank R`` it is one node of a
+real multi-node job: node 0 hosts the controller and its own agent, the others run
+an agent that joins ``--controller HOST:PORT`` (``--standby`` there: a spare node).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from undying.controller import Controller, ControllerServer, JobStore
 from undying.events import Event, EventLog
 from undying.procs import die_with_parent, kill_group
 from undying.protocol import ENV_INJECT, ENV_SPEC, ENV_TOKEN
+from undying.shm import remove_job_dir, remove_node_dir
 from undying.strategies import describe_chain, effective_chain, unbuilt_strategies
 
 RESPAWN_DELAY = 0.2
@@ -42,6 +45,7 @@ class LaunchOptions:
     token: str | None = None
     injections_text: str = ""
     respawn_lost_nodes: bool = True
+    standby_agents: int = 0  # simulated spare nodes (local); remote: this agent is a spare
     quiet: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -55,19 +59,27 @@ class LocalAgents:
         self.token = token
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
         self.controller: Controller | None = None
+        self.job_id = ""  # set by launch(): names the job's node shared-memory directories
         self._lock = threading.Lock()
         self._closing = False
+        self._next_spare_id = options.spec.nnodes
 
-    def start(self, node: int) -> None:
+    def start(self, node: int, spare: bool = False) -> None:
         """Start node's agent and a thread that respawns it whenever it dies (until the job ends).
 
         The same thread spawns every later incarnation: PR_SET_PDEATHSIG fires when the
         *thread* that forked a child exits, so a short-lived respawn thread would kill
         the agent it just started.
         """
-        threading.Thread(target=self._keep_alive, args=(node,), name=f"agent{node}", daemon=True).start()
+        threading.Thread(target=self._keep_alive, args=(node, spare), name=f"agent{node}", daemon=True).start()
 
-    def _spawn(self, node: int) -> subprocess.Popen[bytes]:
+    def new_spare_id(self) -> int:
+        with self._lock:
+            spare_id = self._next_spare_id
+            self._next_spare_id += 1
+            return spare_id
+
+    def _spawn(self, node: int, spare: bool = False) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
         env.update(self.options.extra_env)
         env[ENV_TOKEN] = self.token
@@ -76,7 +88,7 @@ class LocalAgents:
         env["UNDYING_AGENT_DIE_WITH_PARENT"] = "1"
         command = [sys.executable, "-m", "undying.agent", "--node", str(node),
                    "--controller", self.controller_address, "--run-dir", str(self.options.run_dir),
-                   "--", *self.options.command]
+                   *(["--standby"] if spare else []), "--", *self.options.command]
         log = open(self.options.run_dir / "logs" / f"agent{node}.log", "ab")  # noqa: SIM115 - child's
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True, preexec_fn=die_with_parent)
@@ -85,12 +97,15 @@ class LocalAgents:
             self.processes[node] = process
         return process
 
-    def _keep_alive(self, node: int) -> None:
-        process = self._spawn(node)
+    def _keep_alive(self, node: int, spare: bool) -> None:
+        process = self._spawn(node, spare)
         while True:
             returncode = process.wait()
             # The workers die with their agent (same process group and PDEATHSIG); make sure of it.
             kill_group(process.pid)
+            if self.job_id:
+                # A lost node loses its memory: its T1 snapshots go with it, as on a real node.
+                remove_node_dir(self.job_id, node)
             controller = self.controller
             if self._closing or controller is None:
                 return
@@ -98,15 +113,23 @@ class LocalAgents:
             if not self.options.respawn_lost_nodes or controller.state.terminal:
                 return
             time.sleep(RESPAWN_DELAY)
+            # An injected `node:...:down=D` keeps the simulated node away that long (elastic tests).
+            while controller.node_down_remaining(node) > 0 and not self._closing and not controller.state.terminal:
+                time.sleep(0.2)
             if self._closing or controller.state.terminal:
                 return
-            controller.emit(ev.AGENT_RESPAWNED, node=node, details={"previous_returncode": returncode})
-            process = self._spawn(node)
+            if self.options.standby_agents > 0:
+                # The machine comes back as spare capacity: a spare may already serve this node.
+                node, spare = self.new_spare_id(), True
+            controller.emit(ev.AGENT_RESPAWNED, node=node, details={"previous_returncode": returncode,
+                                                                   "standby": spare})
+            process = self._spawn(node, spare)
 
     def kill_node(self, node: int) -> None:
         """Called when the controller declares a node lost: make sure it is really gone."""
+        agent_id = self.controller.agent_id_of(node) if self.controller is not None else node
         with self._lock:
-            process = self.processes.get(node)
+            process = self.processes.get(agent_id)
         if process is not None and process.poll() is None:
             kill_group(process.pid)
 
@@ -144,6 +167,12 @@ def print_event(event: Event) -> None:
         ev.INJECTION: lambda: f"injecting {details.get('spec')}",
         ev.AGENT_LOST: lambda: f"node lost: {details.get('why')}",
         ev.AGENT_RESPAWNED: lambda: "agent respawned (simulated node rescheduled)",
+        ev.STANDBY_ADOPT: lambda: f"standby agent {details.get('spare')} takes the place of this node",
+        ev.ELASTIC_SHRINK: lambda: (f"elastic shrink: world {details.get('old_world_size')} -> "
+                                    f"{details.get('new_world_size')} (node(s) {details.get('dropped_nodes')} "
+                                    f"not back after {details.get('waited')} s)"),
+        ev.ELASTIC_GROW: lambda: (f"elastic grow: world {details.get('old_world_size')} -> "
+                                  f"{details.get('new_world_size')}"),
         ev.JOB_END: lambda: f"job {details.get('outcome')}: {details.get('message')}",
         ev.AUTH_REFUSED: lambda: f"refused a client without the job token ({details.get('client')})",
     }.get(event.kind)
@@ -177,6 +206,7 @@ def launch(options: LaunchOptions) -> int:
     agents = LocalAgents(options, f"{connect_host}:{server.port}" if ":" not in connect_host
                          else f"[{connect_host}]:{server.port}", token)
     agents.controller = controller
+    agents.job_id = job_id
     agents_holder.append(agents)
     chain = [strategy.name for strategy in effective_chain(spec)]
     controller.emit(ev.JOB_START, details={
@@ -198,9 +228,13 @@ def launch(options: LaunchOptions) -> int:
     try:
         for node in local_nodes:
             agents.start(node)
+        if options.node_rank is None:
+            for _ in range(options.standby_agents):
+                agents.start(agents.new_spare_id(), spare=True)
         exit_code = controller.run()
     finally:
         agents.close(grace=5.0)
+        remove_job_dir(job_id)  # T1 snapshots of nodes whose agent could not remove them itself
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         server.stop()
@@ -219,5 +253,5 @@ def _run_remote_agent(options: LaunchOptions) -> int:
     options.run_dir.mkdir(parents=True, exist_ok=True)
     assert options.node_rank is not None
     agent = Agent(options.node_rank, options.spec, options.controller_address, options.token,
-                  options.run_dir, options.command, options.injections_text)
+                  options.run_dir, options.command, options.injections_text, spare=options.standby_agents > 0)
     return agent.run()

@@ -59,6 +59,7 @@ ORDER_START = "start"
 ORDER_STOP = "stop"
 ORDER_EXIT = "exit"
 ORDER_REPLACE = "replace"  # restart only the listed ranks, as newcomers of the given generation
+ORDER_ADOPT = "adopt"  # a spare (standby) agent takes over the lost node ``Order.node``
 
 # What a recovery plan asks the workers to do.
 PLAN_WAIT = "wait"  # not ready yet: ask again
@@ -91,6 +92,7 @@ class AgentHello(Message):
     pid: int
     hostname: str
     nproc: int
+    standby: bool = False  # a spare node: no ranks until it adopts a lost node's place
 
 
 @dataclass
@@ -129,6 +131,7 @@ class Order(Message):
     store_port: int = 0
     restart_count: int = 0
     reason: str = ""
+    node: int = -1  # ORDER_ADOPT: the node whose place the spare takes
 
 
 @dataclass
@@ -163,6 +166,9 @@ class Plan(Message):
     source_rank: int = 0  # a healthy replica holding target_step
     receivers: list[int] = field(default_factory=list)  # ranks that get the state from the source
     reason: str = ""
+    # The ranks of the new generation, in process-group order; empty means every rank of world_size.
+    # Fewer than world_size after an elastic shrink: a rank's place in the group is its index here.
+    members: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -18,6 +18,8 @@ from undying.events import (
     CHECKPOINT_LOAD,
     CHECKPOINT_SAVE,
     DECISION,
+    ELASTIC_GROW,
+    ELASTIC_SHRINK,
     FAULT_DETECTED,
     FIRST_STEP,
     GENERATION_START,
@@ -79,6 +81,7 @@ class RunSummary:
     checkpoints_saved: int = 0
     checkpoints_corrupt: int = 0
     duration_seconds: float | None = None
+    world_changes: list[str] = field(default_factory=list)  # elastic shrinks and grows, in order
 
 
 # ----------------------------------------------------------------------------- summary
@@ -116,7 +119,14 @@ def summarize(events: list[Event]) -> RunSummary:
         checkpoints_saved=len(saved),
         checkpoints_corrupt=len(corrupt),
         duration_seconds=duration,
+        world_changes=[_world_change_label(e) for e in events if e.kind in (ELASTIC_SHRINK, ELASTIC_GROW)],
     )
+
+
+def _world_change_label(event: Event) -> str:
+    kind = "shrink" if event.kind == ELASTIC_SHRINK else "grow"
+    text = f"{kind} {event.details.get('old_world_size')} -> {event.details.get('new_world_size')}"
+    return text + (f" at step {event.step}" if event.step is not None else "")
 
 
 def _first(events: list[Event], kind: str) -> Event | None:
@@ -295,6 +305,8 @@ def render_summary(summary: RunSummary) -> str:
         lines.append(f"duration: {summary.duration_seconds:.1f} s")
     lines.append(f"faults: {len(summary.recoveries)}")
     lines.extend("  " + describe_recovery(recovery) for recovery in summary.recoveries)
+    if summary.world_changes:
+        lines.append("elastic: " + ", ".join(summary.world_changes))
     return "\n".join(lines)
 
 
@@ -361,6 +373,7 @@ _FAULT_COLOR = "#d62728"
 _INJECTION_COLOR = "#ff7f0e"
 _CHECKPOINT_COLOR = "#1f5fbf"
 _FIRST_STEP_COLOR = "#2ca02c"
+_ELASTIC_COLOR = "#7b3fbf"
 
 
 class _Svg:
@@ -654,13 +667,20 @@ def _vertical_markers(
     and the fault it causes a moment later do not cover each other. A label that would
     overlap the previous one in its row is left out (the line stays).
     """
-    rows = {INJECTION: plot_top - 22, FAULT_DETECTED: plot_top - 8}
-    row_end = {INJECTION: -math.inf, FAULT_DETECTED: -math.inf}
+    rows = {INJECTION: plot_top - 22, FAULT_DETECTED: plot_top - 8, ELASTIC_SHRINK: plot_top - 36,
+            ELASTIC_GROW: plot_top - 36}
+    row_end = {kind: -math.inf for kind in rows}
     for event in events:
         if event.kind not in rows:
             continue
         x = x_of(event.time)
-        if event.kind == INJECTION:
+        if event.kind in (ELASTIC_SHRINK, ELASTIC_GROW):
+            color = _ELASTIC_COLOR
+            svg.add("line", class_="elastic", x1=x, y1=plot_top - 44, x2=x, y2=plot_bottom, stroke=color,
+                    stroke_width=1.5, stroke_dasharray="2,2")
+            label = _world_change_label(event)
+            prefer_left = False
+        elif event.kind == INJECTION:
             color = _INJECTION_COLOR
             svg.add(
                 "line",
@@ -695,7 +715,9 @@ def _vertical_markers(
             left = x + 4 if prefer_left else x - 4 - label_width
         if left < row_end[event.kind] + 6:
             continue
-        row_end[event.kind] = left + label_width
+        for kind, row in rows.items():  # shrink and grow share a row
+            if row == rows[event.kind]:
+                row_end[kind] = left + label_width
         svg.text(left, rows[event.kind], label, size=11, fill=color, font_weight="bold")
 
 

@@ -4,7 +4,7 @@ Runs in the controller. MindCluster's order is retry -> recover-in-place -> reco
 -> elastic-training -> dump -> exit, restricted to what the job enabled; job-level
 restart (all workers, from the newest verified checkpoint) is the fallback under
 all of them, bounded by ``max_restarts``. A strategy this version does not build
-yet is accepted in the spec, reported at start, and skipped by the chain.
+is accepted in the spec, reported at start, and skipped by the chain.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ EXIT = "exit"
 # The process-level strategies, in MindCluster's order of preference.
 CHAIN_ORDER = (RETRY, RECOVER_IN_PLACE, RECOVER, ELASTIC, DUMP)
 # Strategies that keep the healthy processes and rebuild the process group around them.
-PROCESS_LEVEL = (RETRY, RECOVER_IN_PLACE, RECOVER)
+PROCESS_LEVEL = (RETRY, RECOVER_IN_PLACE, RECOVER, ELASTIC)
 # How often the same step may be retried in place before the chain moves on.
 MAX_RETRIES_PER_STEP = 2
 
@@ -69,9 +69,11 @@ class RecoveryContext:
     lost_ranks: frozenset[int] = frozenset()  # ranks whose process is gone or hung
     retries_at_step: int = 0
     excluded: frozenset[str] = field(default_factory=frozenset)  # strategies that already failed for this fault
+    world_size: int = 0  # ranks in the current generation (fewer than the spec's after an elastic shrink)
+    lost_nodes: frozenset[int] = frozenset()  # nodes of lost ranks whose agent is gone
 
     def survivors(self) -> int:
-        return self.spec.world_size - len(self.lost_ranks)
+        return (self.world_size or self.spec.world_size) - len(self.lost_ranks)
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,23 @@ class Recover:
         return _budget(context)
 
 
+class Elastic:
+    """Train on without a lost node (fewer data-parallel replicas, same global batch) once it has
+    not come back within ``wait_reschedule_timeout``; grow back when it returns."""
+
+    name = ELASTIC
+
+    def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
+        if not context.lost_nodes:
+            return "no node is lost (its agent can restart the process)"
+        if context.survivors() < 1:
+            return "no healthy replica holds the state"
+        nodes_left = len(context.alive_nodes)
+        if nodes_left < context.spec.fewest_nodes:
+            return f"{nodes_left} node(s) left, below min_nodes ({context.spec.fewest_nodes})"
+        return _budget(context)
+
+
 class Dump:
     """The dying checkpoint: a healthy replica writes the committed state, then the job restarts."""
 
@@ -169,7 +188,7 @@ class Exit:
 
 # Strategies this version carries out. The others are validated and reported, then skipped.
 BUILT: dict[str, Strategy] = {
-    RETRY: Retry(), RECOVER_IN_PLACE: RecoverInPlace(), RECOVER: Recover(), DUMP: Dump(),
+    RETRY: Retry(), RECOVER_IN_PLACE: RecoverInPlace(), RECOVER: Recover(), ELASTIC: Elastic(), DUMP: Dump(),
 }
 
 

@@ -12,17 +12,22 @@ import pytest
 
 from tests.conftest import STEPS, JobRun, run_job, start_job, wait_no_processes
 from undying import events as ev
+from undying.shm import job_dir
 
 pytestmark = pytest.mark.faults
 
 
-def assert_recovered_bitwise(run: JobRun, reference: JobRun, *reasons: str) -> None:
+def assert_recovered_bitwise(run: JobRun, reference: JobRun, *reasons: str, source: str = "storage",
+                             step: int = 10) -> None:
+    """Recovered by a job restart that loaded ``step`` from ``source`` ("memory": every node's T1
+    snapshots survived the fault; "storage": the step-10 checkpoint), ending bitwise equal."""
     assert run.returncode == 0, run.output + run.logs()
     faults = run.kinds(ev.FAULT_DETECTED)
     assert faults and faults[0].details["reason"] in reasons, [f.details for f in faults]
     assert run.kinds(ev.DECISION)[0].details["strategy"] == "job-restart"
     loads = [event for event in run.kinds(ev.CHECKPOINT_LOAD) if event.rank == 0]
-    assert loads and loads[-1].step == 10, "must resume from the step-10 checkpoint, not from scratch"
+    assert loads and (loads[-1].step, loads[-1].details["source"]) == (step, source), \
+        [(event.step, event.details) for event in loads]
     assert run.result["final_step"] == STEPS
     assert run.result["param_sha256"] == reference.result["param_sha256"]
 
@@ -37,26 +42,35 @@ def test_fault_free_runs_are_bitwise_identical(reference_run: JobRun, tmp_path: 
 
 def test_killed_worker_job_restarts_bitwise_equal(reference_run: JobRun, tmp_path: Path) -> None:
     run = run_job(tmp_path, ["--inject", "kill:rank=1:step=15"])
-    assert_recovered_bitwise(run, reference_run, "worker_exit")
+    # Every rank snapshotted step 15 into its node's memory before rank 1 died as it began step 15:
+    # each reads its own snapshot, nobody falls back to the step-10 checkpoint in storage.
+    assert_recovered_bitwise(run, reference_run, "worker_exit", source="memory", step=15)
+    loads = [event for event in run.kinds(ev.CHECKPOINT_LOAD) if event.generation == 2]
+    assert sorted(event.rank for event in loads) == [0, 1, 2, 3]
+    assert {(event.step, event.details["source"]) for event in loads} == {(15, "memory")}
+    saves = run.kinds(ev.CHECKPOINT_SAVE)
+    assert [event.step for event in saves] == [10, 20, 30] and all(e.details["stall"] < 0.5 for e in saves)
+    assert not job_dir(run.kinds(ev.JOB_START)[0].details["job_id"]).exists(), "shared memory left behind"
     assert run.kinds(ev.FAULT_DETECTED)[0].details["signal"] == "SIGKILL"
     assert run.kinds(ev.GENERATION_START)[-1].generation == 2
 
 
 def test_killed_node_job_restarts_bitwise_equal(reference_run: JobRun, tmp_path: Path) -> None:
     run = run_job(tmp_path, ["--inject", "node:node=1:step=15"])
+    # The lost node's memory is gone with it: back to the step-10 checkpoint in storage.
     assert_recovered_bitwise(run, reference_run, "agent_lost")
     assert run.kinds(ev.AGENT_RESPAWNED), "the lost node's agent must come back"
 
 
 def test_hung_worker_is_detected_and_restarted(reference_run: JobRun, tmp_path: Path) -> None:
     run = run_job(tmp_path, ["--inject", "hang:rank=2:step=15"])
-    assert_recovered_bitwise(run, reference_run, "heartbeat_missed")
+    assert_recovered_bitwise(run, reference_run, "heartbeat_missed", source="memory", step=15)
 
 
 def test_exception_in_step_restarts(reference_run: JobRun, tmp_path: Path) -> None:
     run = run_job(tmp_path, ["--inject", "raise:rank=0:step=15"])
     # The raising rank's exit, or its peers' report that the step failed: either is the fault.
-    assert_recovered_bitwise(run, reference_run, "worker_exit", "step_failed")
+    assert_recovered_bitwise(run, reference_run, "worker_exit", "step_failed", source="memory", step=15)
     exits = [e for e in run.kinds(ev.WORKER_EXIT) if e.rank == 0 and e.generation == 1]
     assert exits and exits[0].details["exitcode"] in (1, -9)
 
@@ -75,7 +89,7 @@ def test_max_restarts_exhausted_fails_cleanly(tmp_path: Path) -> None:
 def test_corrupt_newest_checkpoint_is_skipped(reference_run: JobRun, tmp_path: Path) -> None:
     first = run_job(tmp_path, steps=20)
     assert first.returncode == 0, first.output + first.logs()
-    newest = tmp_path / "checkpoints" / "step_000000020" / "train_state.pt"
+    newest = tmp_path / "checkpoints" / "step_000000020" / "__0_0.distcp"  # the shared shard's data
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.faults
 
 PROCESS_LEVEL = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
                  "--recover-strategy", "retry,recover-in-place,recover,dump"]
-DUMP_ONLY = ["--set", "process_recover=true", "--recover-strategy", "dump", "--checkpoint-interval", "100"]
+# T1 snapshots only at checkpoint steps: the restart after a dump must read the dump from storage.
+DUMP_ONLY = ["--set", "process_recover=true", "--recover-strategy", "dump", "--checkpoint-interval", "100",
+             "--set", "checkpoint.snapshot_interval=0"]
 
 
 def first_pids(run: JobRun) -> dict[int, int]:
@@ -54,6 +56,20 @@ def test_recover_in_place_after_killed_worker_uses_warm_standby(reference_run: J
     assert_survivors_kept(run, {1}, "recover-in-place")
     assert run.kinds(ev.RECOVERY_PLAN)[-1].details["receivers"] == [1]
     assert "(replacement, warm standby)" in (tmp_path / "logs" / "rank1.log").read_text()
+
+
+def test_recover_onto_a_standby_agent_after_killed_node(reference_run: JobRun, tmp_path: Path) -> None:
+    """`--standby 1`: a spare agent takes the lost node's place at once (pod-level rescheduling onto a
+    standby node); only that node's ranks start, on the spare."""
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--standby", "1", "--inject", "node:node=1:step=15"])
+    assert_bitwise(run, reference_run)
+    assert_survivors_kept(run, {2, 3}, "recover")
+    [adopt] = run.kinds(ev.STANDBY_ADOPT)
+    assert adopt.node == 1 and adopt.details["spare"] == 2
+    fault = run.kinds(ev.FAULT_DETECTED)[0]
+    registered = [e for e in run.kinds(ev.AGENT_REGISTERED) if e.node == 1 and e.time > fault.time]
+    assert registered and not registered[0].details["standby"]
+    assert "standby agent takes the place of node 1" in (tmp_path / "logs" / "agent2.log").read_text()
 
 
 def test_recover_in_place_after_killed_rank0(reference_run: JobRun, tmp_path: Path) -> None:

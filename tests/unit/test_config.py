@@ -97,6 +97,8 @@ def test_world_size_and_process_level_strategies() -> None:
         ("nproc_per_node", [1], [0], ">= 1"),
         ("checkpoint.interval", [1], [0, -1], ">= 1"),
         ("checkpoint.keep", [1], [0], ">= 1"),
+        ("checkpoint.snapshot_interval", [0], [-1], ">= 0"),
+        ("checkpoint.snapshot_slots", [2, 8], [1, 9], "2..8"),
     ],
 )
 def test_range_boundaries(field_path: str, inside: list[float], outside: list[float], allowed: str) -> None:
@@ -213,7 +215,8 @@ def test_unknown_top_level_field_lists_every_field() -> None:
 
 def test_nested_checkpoint_errors_use_dotted_path() -> None:
     assert str(spec_error({"checkpoint.bogus": 3})) == (
-        "job spec: checkpoint.bogus: unknown field; allowed: dir, interval, keep (got 3)"
+        "job spec: checkpoint.bogus: unknown field; allowed: dir, interval, keep, snapshot_interval, "
+        "snapshot_slots (got 3)"
     )
     assert str(spec_error({"checkpoint.interval": "often"})) == (
         "job spec: checkpoint.interval: not an integer; allowed: >= 1 (got 'often')"
@@ -222,7 +225,8 @@ def test_nested_checkpoint_errors_use_dotted_path() -> None:
         "job spec: checkpoint.dir: not a string; allowed: a string, or null (got 7)"
     )
     assert str(spec_error({"checkpoint": 5})) == (
-        "job spec: checkpoint: not a mapping; allowed: a mapping with keys: dir, interval, keep (got 5)"
+        "job spec: checkpoint: not a mapping; allowed: a mapping with keys: dir, interval, keep, "
+        "snapshot_interval, snapshot_slots (got 5)"
     )
 
 

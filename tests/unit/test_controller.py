@@ -22,6 +22,7 @@ from undying.controller.core import Controller
 from undying.controller.state import ALLOWED_TRANSITIONS, IllegalTransition, JobState, check_transition
 from undying.events import Event, EventLog, read_events
 from undying.protocol import (
+    ORDER_ADOPT,
     ORDER_EXIT,
     ORDER_NONE,
     ORDER_REPLACE,
@@ -622,7 +623,7 @@ def test_a_killed_worker_is_recovered_in_place_and_only_it_restarts(make_job):
     plans = check_in_together(job, [survivor(job, 0, 7), survivor(job, 1, 7), survivor(job, 2, 7),
                                     newcomer(job, 3)])
     expected = Plan(action=PLAN_RESUME, strategy="recover-in-place", generation=2, world_size=4, target_step=7,
-                    source_rank=0, receivers=[3], reason="rank 3 exited (killed by SIGKILL)")
+                    source_rank=0, receivers=[3], reason="rank 3 exited (killed by SIGKILL)", members=[0, 1, 2, 3])
     assert plans == {rank: expected for rank in range(4)}
     assert job.controller.state is JobState.RUNNING
     status = job.controller.status()
@@ -703,7 +704,7 @@ def test_a_lost_node_is_recovered_once_it_says_hello_again(make_job):
     assert (replace.kind, replace.generation, replace.ranks, replace.restart_count) == (ORDER_REPLACE, 2, [2, 3], 1)
     plans = check_in_together(job, [survivor(job, 0, 7), survivor(job, 1, 7), newcomer(job, 2), newcomer(job, 3)])
     expected = Plan(action=PLAN_RESUME, strategy="recover", generation=2, world_size=4, target_step=7,
-                    source_rank=0, receivers=[2, 3], reason="node 1 lost (agent gone)")
+                    source_rank=0, receivers=[2, 3], reason="node 1 lost (agent gone)", members=[0, 1, 2, 3])
     assert plans == {rank: expected for rank in range(4)}
     assert job.controller.state is JobState.RUNNING
     assert job.controller.generation == 2
@@ -724,7 +725,7 @@ def test_a_dump_writes_the_dying_checkpoint_then_the_job_restarts(make_job):
 
     plans = check_in_together(job, [survivor(job, 0, 9), survivor(job, 1, 9)])
     expected = Plan(action=PLAN_DUMP, strategy="dump", generation=2, world_size=3, target_step=9, source_rank=0,
-                    receivers=[], reason="node 2 lost (agent gone)")
+                    receivers=[], reason="node 2 lost (agent gone)", members=[0, 1, 2])
     assert plans == {0: expected, 1: expected}
     # The dump is not the end of the recovery: the job waits for the checkpoint.
     assert job.poll(0, 1, job.statuses(0, 1), wait=0.3).kind == ORDER_NONE
@@ -822,3 +823,38 @@ def test_check_transition_allows_the_table_and_refuses_the_rest():
 def test_terminal_states_have_no_way_out():
     for state in JobState:
         assert state.terminal == (ALLOWED_TRANSITIONS[state] == frozenset())
+
+
+def test_a_spare_agent_holds_no_ranks_and_takes_a_lost_nodes_place(make_job):
+    job = make_job(**RECOVERY)
+    refused = job.controller.hello(AgentHello(1, 999, "spare", 2, standby=True))
+    assert not refused.accepted and "needs a node id >= nnodes (2), got 1" in refused.reason
+    assert job.controller.hello(AgentHello(2, 1002, "spare", 2, standby=True)).accepted
+    job.start_running()  # nodes 0 and 1 start; the spare gets no start order
+    assert job.poll(2, wait=0.2).kind == ORDER_NONE
+    assert job.controller.status()["nodes"]["2"]["standby"] is True
+    for rank in range(4):
+        job.beat(rank, 7)
+
+    job.controller.report_agent_exit(1, -9)
+    adopt = job.next_order(2)
+    assert (adopt.kind, adopt.node) == (ORDER_ADOPT, 1)
+    [event] = job.events(ev.STANDBY_ADOPT)
+    assert event.node == 1 and event.details["spare"] == 2
+    assert job.controller.agent_id_of(1) == 2
+    # The spare says hello as node 1 and is ordered to start node 1's ranks as replacements.
+    assert job.hello(1).accepted
+    replace = job.next_order(1)
+    assert (replace.kind, replace.ranks) == (ORDER_REPLACE, [2, 3])
+    assert "2" not in job.controller.status()["nodes"]
+
+
+def test_losing_an_idle_spare_is_not_a_fault(make_job):
+    job = make_job(**RECOVERY)
+    assert job.controller.hello(AgentHello(2, 1002, "spare", 2, standby=True)).accepted
+    job.start_running()
+    job.controller.report_agent_exit(2, -9)
+    assert job.wait_for(lambda: bool(job.events(ev.AGENT_LOST)))
+    time.sleep(0.3)
+    assert job.events(ev.FAULT_DETECTED) == []
+    assert job.controller.state is JobState.RUNNING

@@ -182,3 +182,65 @@ def test_load_state_dict_rejects_missing_fields():
     loader = ResumableLoader(RangeDataset(16), 4, seed=0, rank=0, world_size=1)
     with pytest.raises(ValueError, match="position"):
         loader.load_state_dict({"epoch": 0, "seed": 0, "dataset_len": 16})
+
+
+def elastic_step(loaders: list[ResumableLoader]) -> list[int]:
+    """One step of a shrunk world: every replica takes all its batches of the step."""
+    consumed = []
+    for loader in loaders:
+        taken = [index for batch in loader.step_batches() for index in batch.flatten().tolist()]
+        assert taken == loader.step_indices
+        consumed.extend(taken)
+    return consumed
+
+
+@pytest.mark.parametrize("mode", ["accumulate", "grow"])
+def test_an_elastic_shrink_and_grow_keeps_every_steps_samples(mode):
+    """4 replicas -> 2 (after a node loss) -> 3 (uneven) -> 4: each step uses exactly the samples
+    a fixed 4-replica job uses in that step, and each epoch's samples exactly once."""
+    dataset = RangeDataset(100)  # 6 steps of 16 per epoch, 4 left over (dropped)
+    reference = make_world(dataset, 4, 4)
+    fixed = [sorted(global_step(reference)) for _ in range(14)]
+
+    elastic = make_world(dataset, 4, 4)
+    seen = [sorted(global_step(elastic)) for _ in range(3)]
+    survivors = [elastic[0], elastic[1]]
+    for replica, loader in enumerate(survivors):
+        loader.set_replicas(replica, 2, mode)
+    assert [(loader.first_slot, loader.slot_count, loader.micro_batches) for loader in survivors] == \
+        [(0, 2, 2 if mode == "accumulate" else 1), (2, 2, 2 if mode == "accumulate" else 1)]
+    seen += [sorted(elastic_step(survivors)) for _ in range(5)]
+    three = survivors + [ResumableLoader(dataset, 4, 7, 2, 4)]
+    three[2].load_state_dict(survivors[0].state_dict())
+    for replica, loader in enumerate(three):
+        loader.set_replicas(replica, 3, mode)
+    assert [(loader.first_slot, loader.slot_count) for loader in three] == [(0, 2), (2, 1), (3, 1)]
+    seen += [sorted(elastic_step(three)) for _ in range(3)]
+    for replica, loader in enumerate(three + [elastic[3]]):
+        loader.reshard(replica, 4)
+    elastic[3].load_state_dict(three[0].state_dict())
+    seen += [sorted(global_step(three + [elastic[3]])) for _ in range(3)]
+    assert seen == fixed
+    for epoch in range(2):
+        used = Counter(index for step in seen[epoch * 6:(epoch + 1) * 6] for index in step)
+        assert len(used) == 96 and set(used.values()) == {1}
+
+
+def test_a_shrunk_step_not_finished_is_detected_and_begin_step_forgets_it():
+    loader = ResumableLoader(RangeDataset(64), 4, 0, 0, 4)
+    loader.set_replicas(0, 2, "accumulate")
+    next(loader)
+    assert loader.step_incomplete()
+    assert loader.position == 0
+    loader.begin_step()
+    assert not loader.step_incomplete()
+    assert len(list(loader.step_batches())) == 2
+    assert loader.position == 16 and not loader.step_incomplete()
+
+
+def test_set_replicas_rejects_bad_values_with_one_line():
+    loader = ResumableLoader(RangeDataset(64), 4, 0, 0, 4)
+    with pytest.raises(ValueError, match="elastic_batch must be one of accumulate, grow, got 'half'"):
+        loader.set_replicas(0, 2, "half")
+    with pytest.raises(ValueError, match="replica 2 of 2 does not fit a world of 4 slots"):
+        loader.set_replicas(2, 2)

@@ -15,7 +15,7 @@ KILLED = Fault("worker_exit", node=1, rank=3, step=7, exitcode=-9, signal="SIGKI
 
 def recovery(strategy: str = RECOVER_IN_PLACE, survivors: set[int] | None = None,
              newcomers: set[int] | None = None, fault: Fault = KILLED) -> ActiveRecovery:
-    return ActiveRecovery(strategy, fault, old_generation=1, generation=2, world_size=4,
+    return ActiveRecovery(strategy, fault, old_generation=1, generation=2, members=[0, 1, 2, 3],
                           survivors={0, 1, 2} if survivors is None else survivors,
                           newcomers={3} if newcomers is None else newcomers)
 
@@ -60,7 +60,7 @@ def test_the_plan_resumes_from_the_survivors_step_with_the_newcomer_as_receiver(
     active.newcomers_ready.add(3)
     plan = active.make_plan()
     assert plan == Plan(action=PLAN_RESUME, strategy=RECOVER_IN_PLACE, generation=2, world_size=4, target_step=7,
-                        source_rank=0, receivers=[3], reason="rank 3 exited (killed by SIGKILL)")
+                        source_rank=0, receivers=[3], reason="rank 3 exited (killed by SIGKILL)", members=[0, 1, 2, 3])
     assert active.plan is plan
 
 

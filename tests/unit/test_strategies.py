@@ -1,5 +1,5 @@
 """The recovery chain: process-level strategies in MindCluster's order, each with its refusals,
-then job-level restart until max_restarts, then exit; unbuilt strategies skipped."""
+then job-level restart until max_restarts, then exit."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from undying.strategies import (
     RECOVER_IN_PLACE,
     RETRY,
     Dump,
+    Elastic,
     Fault,
     Recover,
     RecoverInPlace,
@@ -71,24 +72,51 @@ def test_the_default_chain_is_job_restart_then_exit():
     assert describe_chain(spec) == "recovery: job-restart -> exit"
 
 
-def test_every_process_level_strategy_but_elastic_training_is_built():
-    assert sorted(BUILT) == sorted(PROCESS_STRATEGIES)
-    assert ELASTIC not in BUILT
+def test_every_process_level_strategy_is_built():
+    assert sorted(BUILT) == sorted([*PROCESS_STRATEGIES, ELASTIC])
     assert {name: type(strategy) for name, strategy in BUILT.items()} == {
-        RETRY: Retry, RECOVER_IN_PLACE: RecoverInPlace, RECOVER: Recover, DUMP: Dump}
+        RETRY: Retry, RECOVER_IN_PLACE: RecoverInPlace, RECOVER: Recover, ELASTIC: Elastic, DUMP: Dump}
     assert all(strategy.name == name for name, strategy in BUILT.items())
-
-
-def test_describe_chain_names_the_listed_strategies_not_built():
     spec = JobSpec(process_recover=True, recover_strategy=["retry", "elastic-training", "dump", "exit"])
-    assert unbuilt_strategies(spec) == ["elastic-training"]
-    assert [strategy.name for strategy in effective_chain(spec)] == [RETRY, DUMP, JOB_RESTART, EXIT]
-    assert describe_chain(spec) == (
-        "recovery: retry -> dump -> job-restart -> exit (elastic-training: not built in this version, skipped)")
-    # An unbuilt strategy never decides anything, even when it is the only one listed.
-    only_elastic = JobSpec(process_recover=True, recover_strategy=["elastic-training"])
-    assert [strategy.name for strategy in effective_chain(only_elastic)] == [JOB_RESTART, EXIT]
-    assert decide(NODE_LOST, context(only_elastic, lost_ranks=frozenset({2, 3}))).strategy == JOB_RESTART
+    assert unbuilt_strategies(spec) == []
+    assert describe_chain(spec) == "recovery: retry -> elastic-training -> dump -> job-restart -> exit"
+
+
+ELASTIC_ONLY = JobSpec(process_recover=True, recover_strategy=["elastic-training"], nnodes=3, nproc_per_node=2)
+THREE_NODES = frozenset({0, 1, 2})
+
+
+def test_elastic_training_takes_a_lost_node_only():
+    # A node whose agent is gone: train on without it.
+    lost_node = context(ELASTIC_ONLY, alive_nodes=frozenset({0, 2}), lost_ranks=frozenset({2, 3}))
+    lost_node = RecoveryContext(**{**lost_node.__dict__, "lost_nodes": frozenset({1})})
+    assert decide(NODE_LOST, lost_node).strategy == ELASTIC
+    # A process on a live node: its agent restarts it; elastic training does not shrink for that.
+    on_live_node = context(ELASTIC_ONLY, alive_nodes=THREE_NODES, lost_ranks=frozenset({1}))
+    decision = decide(KILLED, on_live_node)
+    assert decision.strategy == JOB_RESTART
+    assert decision.reason == "elastic-training: no node is lost (its agent can restart the process)"
+
+
+def test_elastic_training_refuses_below_min_nodes():
+    spec = ELASTIC_ONLY.model_copy(update={"min_nodes": 3})
+    below = RecoveryContext(spec, 0, frozenset({0, 2}), frozenset({2, 3}), lost_nodes=frozenset({1}))
+    decision = decide(NODE_LOST, below)
+    assert decision.strategy == JOB_RESTART
+    assert decision.reason == "elastic-training: 2 node(s) left, below min_nodes (3)"
+    at_minimum = RecoveryContext(spec.model_copy(update={"min_nodes": 2}), 0, frozenset({0, 2}),
+                                 frozenset({2, 3}), lost_nodes=frozenset({1}))
+    assert decide(NODE_LOST, at_minimum).strategy == ELASTIC
+
+
+def test_recover_comes_before_elastic_training_when_pods_are_rescheduled():
+    spec = ELASTIC_ONLY.model_copy(update={"recover_strategy": ["recover", "elastic-training"],
+                                           "pod_rescheduling": "on"})
+    lost = RecoveryContext(spec, 0, frozenset({0, 2}), frozenset({2, 3}), lost_nodes=frozenset({1}))
+    assert decide(NODE_LOST, lost).strategy == RECOVER
+    # Once recover has failed (the node did not come back), elastic training takes over.
+    excluded = RecoveryContext(**{**lost.__dict__, "excluded": frozenset({RECOVER})})
+    assert decide(NODE_LOST, excluded).strategy == ELASTIC
 
 
 class RefusingRetry:
@@ -100,10 +128,9 @@ class RefusingRetry:
 
 def test_a_built_strategy_is_tried_first_and_its_refusal_is_the_reason(monkeypatch):
     monkeypatch.setitem(strategies.BUILT, "retry", RefusingRetry())
-    spec = JobSpec(process_recover=True, recover_strategy=["retry", "elastic-training"])
+    spec = JobSpec(process_recover=True, recover_strategy=["retry"])
     assert [strategy.name for strategy in effective_chain(spec)] == ["retry", JOB_RESTART, EXIT]
-    assert describe_chain(spec) == (
-        "recovery: retry -> job-restart -> exit (elastic-training: not built in this version, skipped)")
+    assert describe_chain(spec) == "recovery: retry -> job-restart -> exit"
 
     hang = Fault("heartbeat_missed", node=0, rank=0, step=3)
     assert decide(hang, RecoveryContext(spec, 0)).strategy == "retry"

@@ -1,7 +1,10 @@
 """Checkpoint engine: saving and restoring training state across the state tiers.
 
-Runs in the worker processes. ``storage`` is tier T2: per-rank files on a filesystem,
-committed atomically by a checksummed manifest and verified before they are loaded.
+Runs in the worker processes. ``snapshot`` is tier T1: each rank's state in node shared
+memory, written at a step boundary. ``storage`` is tier T2: files on a filesystem,
+committed atomically by a checksummed manifest and verified before they are loaded;
+``dcp_format`` lays the shared shard out as a torch.distributed.checkpoint directory;
+``persister`` moves T1 snapshots to T2 on a background thread.
 """
 
 from undying.checkpoint.storage import (
@@ -17,10 +20,12 @@ from undying.checkpoint.storage import (
     list_committed,
     load_object,
     prune,
+    record_file,
     remove_stale_partials,
     save_object,
     staging_dir,
     verify,
+    verify_files,
 )
 
 __all__ = [
@@ -36,8 +41,10 @@ __all__ = [
     "list_committed",
     "load_object",
     "prune",
+    "record_file",
     "remove_stale_partials",
     "save_object",
     "staging_dir",
     "verify",
+    "verify_files",
 ]

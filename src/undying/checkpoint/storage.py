@@ -370,6 +370,27 @@ def save_object(staging: Path, name: str, obj: Any) -> FileRecord:
     return record
 
 
+def record_file(staging: Path, name: str) -> FileRecord:
+    """The record of a file another writer (e.g. torch.distributed.checkpoint) put in ``staging``:
+    synced to disk, its size and CRC-32 read back from what the file now holds."""
+    path = _member_path(Path(staging), name)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _fsync_dir(Path(staging))
+    return FileRecord(name=name, size=path.stat().st_size, checksum=_file_checksum(path))
+
+
+def verify_files(ckpt: CommittedCheckpoint, names: list[str]) -> None:
+    """``verify`` restricted to ``names`` (which must be listed in the manifest)."""
+    subset = Manifest(step=ckpt.manifest.step, generation=ckpt.manifest.generation,
+                      world_size=ckpt.manifest.world_size, files=[ckpt.manifest.record(n) for n in names],
+                      meta=ckpt.manifest.meta, created=ckpt.manifest.created)
+    verify(CommittedCheckpoint(ckpt.path, subset))
+
+
 def commit(
     root: PathLike,
     staging: Path,
@@ -497,15 +518,18 @@ def load_object(ckpt: CommittedCheckpoint, name: str, map_location: str | torch.
 
 
 def latest_verified(
-    root: PathLike, on_corrupt: Callable[[Path, str], None] | None = None
+    root: PathLike, on_corrupt: Callable[[Path, str], None] | None = None, older_than: int | None = None
 ) -> CommittedCheckpoint | None:
-    """The newest checkpoint that passes ``verify``, or None if there is none.
+    """The newest checkpoint that passes ``verify`` (with ``older_than``: the newest of a step below
+    it), or None if there is none.
 
     Every skipped directory (bad or missing manifest, or a file that fails verification)
     is reported to ``on_corrupt(path, reason)``, or logged as a warning without one.
     Reads every file of each checkpoint it tries.
     """
     for path, ckpt, reason in _scan(Path(root)):
+        if older_than is not None and (_committed_step(path.name) or 0) >= older_than:
+            continue
         if ckpt is not None:
             try:
                 verify(ckpt)

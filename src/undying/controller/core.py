@@ -5,7 +5,8 @@ for orders; workers send heartbeats, events, injection claims and, when a step
 fails, their check-in for a recovery plan. ``Controller.run`` is the single loop that
 looks at what was reported and decides (compare torchelastic's ``_invoke_run``):
 detect -> decide (strategies.decide) -> a process-level recovery (only the failed
-processes restart, the others keep their memory), a dying checkpoint, or a
+processes restart, the others keep their memory), an elastic shrink (train on
+without a node that did not come back) or grow, a dying checkpoint, or a
 job-level restart. Every decision is an event in the job's log.
 """
 
@@ -23,7 +24,9 @@ from undying.config import JobSpec
 from undying.controller.recovery import ActiveRecovery
 from undying.controller.state import JobState, check_transition
 from undying.events import Event, EventLog
+from undying.inject import decode as decode_injections
 from undying.protocol import (
+    ORDER_ADOPT,
     ORDER_EXIT,
     ORDER_NONE,
     ORDER_REPLACE,
@@ -47,6 +50,7 @@ from undying.protocol import (
 )
 from undying.strategies import (
     DUMP,
+    ELASTIC,
     EXIT,
     JOB_RESTART,
     PROCESS_LEVEL,
@@ -56,6 +60,7 @@ from undying.strategies import (
     Fault,
     RecoveryContext,
     decide,
+    effective_chain,
 )
 
 EXIT_OK = 0
@@ -86,6 +91,8 @@ class NodeRecord:
     workers: dict[int, WorkerStatus] = field(default_factory=dict)
     orders: collections.deque[Order] = field(default_factory=collections.deque)
     exit_delivered: bool = False
+    standby: bool = False  # a spare: no ranks; takes over a lost node's place when ordered to
+    adopting: int | None = None  # the node whose place this spare was ordered to take
 
     def running_workers(self) -> list[WorkerStatus]:
         return [status for status in self.workers.values() if status.state == WORKER_RUNNING]
@@ -138,8 +145,13 @@ class Controller:
         self.exit_code: int | None = None
         self.message = ""
         self.nodes: dict[int, NodeRecord] = {}
-        self.ranks: dict[int, RankRecord] = {}
+        self.ranks: dict[int, RankRecord] = {}  # the current generation's members only
+        self.members: list[int] = []  # ranks of the current generation, in process-group order
         self.recovery: ActiveRecovery | None = None
+        self.node_down_until: dict[int, float] = {}  # injected `node:...:down=D`: held down until
+        self.adopted_by: dict[int, int] = {}  # node -> the spare agent id that took its place
+        self.pending_grow: ActiveRecovery | None = None  # returned ranks starting while the survivors train
+        self._grow_refused: set[tuple[int, int]] = set()  # (node, agent pid) already tried for a grow
         self.plans: dict[int, Plan] = {}  # generation -> the plan that formed it
         self.claimed_injections: set[int] = set()
         self.faults_total: collections.Counter[str] = collections.Counter()
@@ -159,7 +171,10 @@ class Controller:
 
     def hello(self, hello: AgentHello) -> HelloReply:
         with self._cond:
-            if not 0 <= hello.node < self.spec.nnodes:
+            if hello.standby and hello.node < self.spec.nnodes:
+                return HelloReply(self.job_id, self.store_port, False,
+                                  f"a standby agent needs a node id >= nnodes ({self.spec.nnodes}), got {hello.node}")
+            if not hello.standby and not 0 <= hello.node < self.spec.nnodes:
                 return HelloReply(self.job_id, self.store_port, False, f"node {hello.node} >= nnodes")
             if hello.nproc != self.spec.nproc_per_node:
                 return HelloReply(self.job_id, self.store_port, False, "nproc_per_node differs from the job's")
@@ -169,8 +184,10 @@ class Controller:
             if previous is not None and previous.alive:
                 # A node's agent came back before anyone saw it go: its workers are gone all the same.
                 self._lose_node(previous, "agent said hello again (restarted)", notify=False)
-            self.nodes[hello.node] = NodeRecord(hello.node, hello.pid, hello.hostname, time.time())
-            self.emit(ev.AGENT_REGISTERED, node=hello.node, details={"pid": hello.pid, "host": hello.hostname})
+            self.nodes[hello.node] = NodeRecord(hello.node, hello.pid, hello.hostname, time.time(),
+                                                standby=hello.standby)
+            self.emit(ev.AGENT_REGISTERED, node=hello.node,
+                      details={"pid": hello.pid, "host": hello.hostname, "standby": hello.standby})
             self._cond.notify_all()
             return HelloReply(self.job_id, self.store_port)
 
@@ -194,6 +211,8 @@ class Controller:
             if order.kind == ORDER_EXIT:
                 node.exit_delivered = True
                 self._cond.notify_all()
+            if order.kind == ORDER_ADOPT and self.nodes.get(poll.node) is node:
+                del self.nodes[poll.node]  # it says hello again as the node it adopts
             return order
 
     def report(self, poll: AgentPoll) -> None:
@@ -266,7 +285,10 @@ class Controller:
             record.phase = "recovering"
             record.last_heartbeat = time.time()
         recovery = self.recovery
-        if request.newcomer:
+        pending = self.pending_grow
+        if request.newcomer and recovery is None and pending is not None and request.generation == pending.generation:
+            pending.newcomers_ready.add(request.rank)
+        elif request.newcomer:
             if recovery is not None and request.generation == recovery.generation:
                 recovery.newcomers_ready.add(request.rank)
             elif recovery is not None and request.rank in recovery.survivors and recovery.plan is None:
@@ -307,12 +329,21 @@ class Controller:
             if claim.index in self.claimed_injections or stale:
                 return False
             self.claimed_injections.add(claim.index)
+            injection = next((i for i in decode_injections(self.injections_text) if i.index == claim.index), None)
+            if injection is not None and injection.kind == "node" and injection.down is not None:
+                self.node_down_until[claim.node] = time.time() + injection.down
         return True
+
+    def node_down_remaining(self, node: int) -> float:
+        """Seconds an injected node fault still keeps ``node`` from being rescheduled."""
+        with self._cond:
+            return max(0.0, self.node_down_until.get(node, 0.0) - time.time())
 
     def report_agent_exit(self, node_id: int, returncode: int | None) -> None:
         """The launcher saw a local agent process end (a simulated node's death)."""
         with self._cond:
-            node = self.nodes.get(node_id)
+            adopted = [node for node, spare in self.adopted_by.items() if spare == node_id]
+            node = self.nodes.get(adopted[0] if adopted and node_id not in self.nodes else node_id)
             if node is not None and node.alive and not node.exit_delivered:
                 self._lose_node(node, f"agent process ended (returncode {returncode})")
             self._cond.notify_all()
@@ -352,6 +383,8 @@ class Controller:
                 self._handle_fault(fault, now)
             elif self.ranks and all(record.done and record.exitcode == 0 for record in self.ranks.values()):
                 self._finish(JobState.SUCCEEDED, EXIT_OK, f"finished at step {self._committed_step()}")
+            else:
+                self._grow_if_nodes_returned(now)
         elif self.state is JobState.RECOVERING:
             self._tick_recovery(now)
         elif self.state is JobState.STOPPING:
@@ -360,6 +393,7 @@ class Controller:
                 self._transition(JobState.RESTARTING)
                 self._state_deadline = now + self.spec.node_return_timeout
         elif self.state is JobState.RESTARTING:
+            self._adopt_spares_for(set(range(self.spec.nnodes)))
             if self._all_nodes_alive():
                 self._start_generation(now)
             elif now > self._state_deadline:
@@ -395,10 +429,18 @@ class Controller:
             if node.alive and not node.exit_delivered and now - node.last_seen > timeout:
                 self._lose_node(node, f"no poll for {now - node.last_seen:.1f} s")
 
+    def agent_id_of(self, node: int) -> int:
+        """The agent process id (as the launcher started it) now serving ``node``."""
+        with self._cond:
+            return self.adopted_by.get(node, node)
+
     def _lose_node(self, node: NodeRecord, why: str, notify: bool = True) -> None:
         node.alive = False
         node.orders.clear()
-        self.emit(ev.AGENT_LOST, node=node.node, generation=self.generation, details={"why": why})
+        self.emit(ev.AGENT_LOST, node=node.node, generation=self.generation,
+                  details={"why": why, "standby": node.standby})
+        if node.standby:
+            return  # a spare held no ranks: nothing to recover
         if self.state in (JobState.RUNNING, JobState.RECOVERING):
             self._pending_faults.append(Fault("agent_lost", node=node.node, step=self._committed_step()))
         if notify and self.on_node_lost is not None and not self.state.terminal:
@@ -408,6 +450,8 @@ class Controller:
         if self._pending_faults:
             return self._pending_faults.pop(0)
         for record in self.ranks.values():
+            if not self._node_alive(record.node):
+                continue  # the node's agent_lost fault covers its ranks
             if record.exitcode not in (None, 0):
                 return Fault("worker_exit", node=record.node, rank=record.rank, step=record.step,
                              exitcode=record.exitcode, signal=record.signal)
@@ -457,9 +501,12 @@ class Controller:
 
     def _context(self, lost_ranks: set[int], excluded: frozenset[str] = frozenset(),
                  step: int | None = None) -> RecoveryContext:
+        lost_nodes = {self.ranks[rank].node for rank in lost_ranks if rank in self.ranks}
         return RecoveryContext(self.spec, self.restart_count,
-                               frozenset(n.node for n in self.nodes.values() if n.alive),
-                               frozenset(lost_ranks), self.retries[step] if step is not None else 0, excluded)
+                               frozenset(n.node for n in self.nodes.values() if n.alive and not n.standby),
+                               frozenset(lost_ranks), self.retries[step] if step is not None else 0, excluded,
+                               world_size=len(self.members),
+                               lost_nodes=frozenset(node for node in lost_nodes if not self._node_alive(node)))
 
     def _lost_ranks(self, fault: Fault) -> set[int]:
         lost = {record.rank for record in self.ranks.values() if record.exitcode not in (None, 0)}
@@ -470,10 +517,11 @@ class Controller:
         for node in self.nodes.values():
             if not node.alive:
                 lost |= set(self._ranks_of(node.node))
-        return lost
+        return lost & set(self.members)  # after an elastic shrink, a dropped node's ranks are not lost again
 
     def _handle_fault(self, fault: Fault, now: float, excluded: frozenset[str] = frozenset()) -> None:
         self.faults_total[fault.reason] += 1
+        self.pending_grow = None  # its starting ranks are told to exit when they ask for a plan
         self._step_failures.clear()
         self.emit(ev.FAULT_DETECTED, node=fault.node, rank=fault.rank, step=fault.step,
                   generation=self.generation,
@@ -492,7 +540,7 @@ class Controller:
         if decision.strategy in (*PROCESS_LEVEL, DUMP):
             if decision.strategy == RETRY:
                 self.retries[step] += 1
-            self._begin_recovery(fault, decision.strategy, lost, now)
+            self._begin_recovery(fault, decision.strategy, lost, now, excluded)
         elif decision.strategy == JOB_RESTART:
             self._begin_job_restart(fault.describe(), now)
         else:
@@ -512,14 +560,14 @@ class Controller:
 
     # ---------------------------------------------------------------- process-level recovery
 
-    def _begin_recovery(self, fault: Fault, strategy: str, lost: set[int], now: float) -> None:
+    def _begin_recovery(self, fault: Fault, strategy: str, lost: set[int], now: float,
+                        excluded: frozenset[str] = frozenset()) -> None:
         self.restart_count += 1
         old_generation = self.generation
         self.generation += 1
         self.abort_generation = old_generation
-        world = set(range(self.spec.world_size))
-        survivors = world - lost
-        recovery = ActiveRecovery(strategy, fault, old_generation, self.generation, self.spec.world_size,
+        survivors = set(self.members) - lost
+        recovery = ActiveRecovery(strategy, fault, old_generation, self.generation, list(self.members),
                                   survivors=survivors, started=now,
                                   deadline=now + self.spec.start_timeout + self.spec.comm_timeout)
         if strategy != DUMP:
@@ -528,13 +576,119 @@ class Controller:
             recovery.awaited_nodes = {node for node in lost_nodes if not self._node_alive(node)}
             for node in sorted(lost_nodes - recovery.awaited_nodes):
                 self._replace(node, sorted(r for r in lost if self.ranks[r].node == node), now)
+            self._adopt_spares_for(recovery.awaited_nodes)
+            if recovery.awaited_nodes and self._elastic_enabled(excluded):
+                # A lost node gets wait_reschedule_timeout to come back; after that the job trains on
+                # without it (at once if a recover already waited for it).
+                waited_already = strategy == ELASTIC and RECOVER in excluded
+                wait = 0.0 if waited_already else self.spec.reschedule_wait()
+                recovery.may_shrink = True
+                recovery.reschedule_deadline = now + wait
+                recovery.deadline += wait
         self.recovery = recovery
         self._transition(JobState.RECOVERING)
+        details: dict[str, Any] = {"strategy": strategy, "old_generation": old_generation,
+                                   "survivors": sorted(survivors), "newcomers": sorted(recovery.newcomers),
+                                   "awaited_nodes": sorted(recovery.awaited_nodes)}
+        if recovery.may_shrink:
+            details["shrink_after"] = round(recovery.reschedule_deadline - now, 3)
         self.emit(ev.RECOVERY_BEGIN if strategy != DUMP else ev.DUMP_BEGIN, generation=self.generation,
-                  step=fault.step, details={"strategy": strategy, "old_generation": old_generation,
-                                           "survivors": sorted(survivors), "newcomers": sorted(recovery.newcomers),
-                                           "awaited_nodes": sorted(recovery.awaited_nodes)})
+                  step=fault.step, details=details)
         self._cond.notify_all()  # wake the workers already waiting in recover(): they are survivors now
+
+    def _elastic_enabled(self, excluded: frozenset[str] = frozenset()) -> bool:
+        return ELASTIC not in excluded and any(s.name == ELASTIC for s in effective_chain(self.spec))
+
+    def _shrink(self, recovery: ActiveRecovery, now: float) -> bool:
+        """Drop the nodes that did not come back from the recovery; False if that leaves too few."""
+        dropped_nodes = sorted(recovery.awaited_nodes)
+        dropped = {rank for rank in recovery.members if self.ranks[rank].node in recovery.awaited_nodes}
+        members = [rank for rank in recovery.members if rank not in dropped]
+        nodes_left = {self.ranks[rank].node for rank in members}
+        if len(nodes_left) < self.spec.fewest_nodes or not recovery.survivors:
+            why = (f"elastic-training: {len(nodes_left)} node(s) left, below min_nodes ({self.spec.fewest_nodes})"
+                   if recovery.survivors else "elastic-training: no healthy replica left")
+            self._recovery_failed(why, None, now)
+            return False
+        old_world = len(recovery.members)
+        recovery.members = members
+        recovery.newcomers -= dropped
+        recovery.newcomers_ready -= dropped
+        recovery.awaited_nodes.clear()
+        recovery.strategy = ELASTIC
+        recovery.deadline = now + self.spec.start_timeout + self.spec.comm_timeout
+        for rank in dropped:
+            self.ranks.pop(rank, None)
+        self.emit(ev.ELASTIC_SHRINK, generation=recovery.generation, step=recovery.fault.step,
+                  details={"old_world_size": old_world, "new_world_size": len(members),
+                           "dropped_nodes": dropped_nodes, "dropped_ranks": sorted(dropped),
+                           "waited": round(now - recovery.started, 3)})
+        return True
+
+    def _grow_if_nodes_returned(self, now: float) -> None:
+        """Elastic grow-back: a node dropped by a shrink is alive again; bring its ranks back in.
+
+        The returned ranks start first, while the survivors keep training; only once every one
+        of them has started and checked in does the running generation end (at the survivors'
+        next step boundary) and the regrouping begin, so the survivors never wait for a cold start.
+        """
+        if len(self.members) >= self.spec.world_size or not self._elastic_enabled():
+            return
+        pending = self.pending_grow
+        if pending is not None:
+            if pending.newcomers <= pending.newcomers_ready:
+                self._begin_grow(pending, now)
+            elif now > pending.deadline:
+                self.pending_grow = None
+                for node in {rank // self.spec.nproc_per_node for rank in pending.newcomers}:
+                    if node in self.nodes:  # this agent incarnation is not asked again
+                        self._grow_refused.add((node, self.nodes[node].pid))
+                self.emit(ev.RECOVERY_FAILED, generation=self.generation,
+                          details={"strategy": ELASTIC, "grow": True, "why": "returned ranks did not start "
+                                   f"within start_timeout ({self.spec.start_timeout:g} s): "
+                                   f"{sorted(pending.newcomers - pending.newcomers_ready)}"})
+            return
+        members = set(self.members)
+        returned = sorted(node.node for node in self.nodes.values()
+                          if node.alive and not node.standby and not set(self._ranks_of(node.node)) & members
+                          and (node.node, node.pid) not in self._grow_refused)
+        if not returned:
+            # A spare that joined since the shrink takes a dropped node's place (it says hello as it).
+            dropped = {node for node in range(self.spec.nnodes) if not set(self._ranks_of(node)) & members}
+            self._adopt_spares_for(dropped)
+            return
+        if any(record.done for record in self.ranks.values()):
+            return
+        newcomers = {rank for node in returned for rank in self._ranks_of(node)}
+        pending = ActiveRecovery(ELASTIC, Fault("node_returned", node=returned[0], step=self._committed_step()),
+                                 self.generation, self.generation + 1, sorted(members | newcomers),
+                                 survivors=set(members), newcomers=newcomers, started=now, grow=True,
+                                 deadline=now + self.spec.start_timeout)
+        self.pending_grow = pending
+        for node in returned:
+            ranks = self._ranks_of(node)
+            self.nodes[node].orders.append(Order(kind=ORDER_REPLACE, generation=pending.generation, ranks=ranks,
+                                                 world_size=self.spec.world_size, store_port=self.store_port,
+                                                 restart_count=self.restart_count))
+            self.emit(ev.REPLACE, node=node, generation=pending.generation, details={"ranks": ranks, "grow": True})
+        self._cond.notify_all()
+
+    def _begin_grow(self, pending: ActiveRecovery, now: float) -> None:
+        """Every returned rank is up: end the running generation and regroup with them."""
+        self.pending_grow = None
+        old_generation = self.generation
+        self.generation = pending.generation
+        self.abort_generation = old_generation  # survivors leave at their next step boundary and check in
+        for rank in sorted(pending.newcomers):
+            self.ranks[rank] = RankRecord(rank, rank // self.spec.nproc_per_node, pending.generation, now)
+        pending.deadline = now + self.spec.start_timeout + self.spec.comm_timeout
+        self.recovery = pending
+        self._transition(JobState.RECOVERING)
+        self.emit(ev.RECOVERY_BEGIN, generation=self.generation, step=self._committed_step(),
+                  details={"strategy": ELASTIC, "grow": True, "old_generation": old_generation,
+                           "survivors": sorted(pending.survivors), "newcomers": sorted(pending.newcomers),
+                           "newcomers_started_in": round(now - pending.started, 3)})
+        self._cond.notify_all()
 
     def _replace(self, node: int, ranks: list[int], now: float) -> None:
         """Order ``node``'s agent to restart ``ranks`` as replacements in the recovery's generation."""
@@ -557,20 +711,32 @@ class Controller:
         if fault is not None and not self._fault_absorbed(fault, recovery, now):
             self._recovery_failed(f"second fault during {recovery.strategy}: {fault.describe()}", fault, now)
             return
+        self._adopt_spares_for(recovery.awaited_nodes)
         for node in sorted(recovery.awaited_nodes):
             if self._node_alive(node):
                 recovery.awaited_nodes.discard(node)
                 self._replace(node, sorted(r for r in recovery.newcomers if self.ranks[r].node == node), now)
+        if recovery.awaited_nodes and recovery.may_shrink and now >= recovery.reschedule_deadline:
+            if not self._shrink(recovery, now):
+                return
         if recovery.plan is None and recovery.ready():
             plan = recovery.make_plan()
             self.plans[plan.generation] = plan
             self.emit(ev.RECOVERY_PLAN, generation=plan.generation, step=plan.target_step,
                       details={"strategy": plan.strategy, "action": plan.action, "source_rank": plan.source_rank,
-                               "receivers": plan.receivers, "seconds": round(now - recovery.started, 4)})
+                               "receivers": plan.receivers, "world_size": plan.world_size,
+                               "seconds": round(now - recovery.started, 4)})
             if plan.action != "dump":
+                old_world = len(self.members)
+                self.members = list(plan.members)
+                self.ranks = {rank: self.ranks[rank] for rank in self.members}
                 for rank in recovery.survivors | recovery.newcomers:
                     self.ranks[rank].step = plan.target_step
                     self.ranks[rank].last_progress = None  # re-armed by the first step after the repair
+                if recovery.grow:
+                    self.emit(ev.ELASTIC_GROW, generation=plan.generation, step=plan.target_step,
+                              details={"old_world_size": old_world, "new_world_size": len(self.members),
+                                       "seconds": round(now - recovery.started, 4)})
                 self.recovery = None
                 self._transition(JobState.RUNNING)
             self._cond.notify_all()
@@ -606,7 +772,7 @@ class Controller:
         self.emit(ev.RECOVERY_FAILED, generation=self.generation, details={"strategy": recovery.strategy,
                                                                            "why": why})
         self.faults_total["recovery_failed"] += 1
-        excluded = frozenset({RETRY, RECOVER_IN_PLACE, RECOVER, DUMP})
+        excluded = frozenset({RETRY, RECOVER_IN_PLACE, RECOVER, ELASTIC, DUMP})
         self.recovery = None
         self._transition(JobState.RUNNING)
         self._decide_and_act(fault or recovery.fault, now, excluded)
@@ -623,8 +789,9 @@ class Controller:
         self._step_failures.clear()
         world_size = self.spec.world_size
         self.ranks = {}
+        self.members = list(range(world_size))
         for node in sorted(self.nodes.values(), key=lambda n: n.node):
-            if not node.alive:
+            if not node.alive or node.standby:
                 continue
             ranks = self._ranks_of(node.node)
             for rank in ranks:
@@ -673,8 +840,26 @@ class Controller:
         self._cond.notify_all()
 
     def _all_nodes_alive(self) -> bool:
-        alive = {n.node for n in self.nodes.values() if n.alive}
+        alive = {n.node for n in self.nodes.values() if n.alive and not n.standby}
         return alive == set(range(self.spec.nnodes))
+
+    def _adopt_spares_for(self, nodes: set[int]) -> None:
+        """Order an idle spare agent to take the place of each node in ``nodes`` that is not alive
+        (pod-level rescheduling onto a standby node: ``undying run --standby``)."""
+        for lost in sorted(nodes):
+            if self._node_alive(lost) or any(n.adopting == lost for n in self.nodes.values()):
+                continue
+            spare = next((n for n in sorted(self.nodes.values(), key=lambda n: n.node)
+                          if n.standby and n.alive and n.adopting is None), None)
+            if spare is None:
+                return
+            spare.adopting = lost
+            self.adopted_by[lost] = spare.node
+            spare.orders.append(Order(kind=ORDER_ADOPT, node=lost, generation=self.generation,
+                                      reason=f"take the place of node {lost}"))
+            self.emit(ev.STANDBY_ADOPT, node=lost, generation=self.generation,
+                      details={"spare": spare.node, "host": spare.hostname})
+            self._cond.notify_all()
 
     def _all_agents_gone(self) -> bool:
         assert self._finished_at is not None
@@ -683,7 +868,8 @@ class Controller:
         return all(node.exit_delivered or not node.alive for node in self.nodes.values())
 
     def _missing_nodes_message(self, phase: str) -> str:
-        missing = sorted(set(range(self.spec.nnodes)) - {n.node for n in self.nodes.values() if n.alive})
+        missing = sorted(set(range(self.spec.nnodes)) - {n.node for n in self.nodes.values()
+                                                         if n.alive and not n.standby})
         return f"node(s) {missing} did not join within node_return_timeout ({self.spec.node_return_timeout:g} s) at {phase}"
 
     def _committed_step(self) -> int:
@@ -699,7 +885,8 @@ class Controller:
                 "generation": self.generation,
                 "restart_count": self.restart_count,
                 "max_restarts": self.spec.max_restarts,
-                "world_size": self.spec.world_size,
+                "world_size": len(self.members) or self.spec.world_size,
+                "members": list(self.members),
                 "committed_step": self._committed_step(),
                 "message": self.message,
                 "uptime_seconds": now - self.started,
@@ -708,7 +895,7 @@ class Controller:
                     "strategy": recovery.strategy, "generation": recovery.generation,
                     "waiting_for": recovery.missing(), "awaited_nodes": sorted(recovery.awaited_nodes)},
                 "nodes": {
-                    str(n.node): {"alive": n.alive, "pid": n.pid, "host": n.hostname,
+                    str(n.node): {"alive": n.alive, "pid": n.pid, "host": n.hostname, "standby": n.standby,
                                   "seconds_since_poll": round(now - n.last_seen, 3),
                                   "running_workers": len(n.running_workers())}
                     for n in self.nodes.values()

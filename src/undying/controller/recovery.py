@@ -5,7 +5,8 @@ ranks check in once started. When everyone expected has checked in, the plan nam
 step everyone resumes from (the newest step a survivor holds: a step some survivor
 applied cannot be undone, so the others catch up), one healthy replica at that step as
 the source, and the ranks that receive the state from it (the newcomers and any
-survivor that is a step behind).
+survivor that is a step behind). An elastic shrink drops a lost node's ranks from the
+recovery's members; an elastic grow adds a returned node's ranks to them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class ActiveRecovery:
     fault: Fault
     old_generation: int
     generation: int
-    world_size: int
+    members: list[int]  # the ranks of the new generation, in process-group order
     survivors: set[int]  # ranks whose process keeps its memory
     newcomers: set[int] = field(default_factory=set)  # ranks restarted as replacements
     awaited_nodes: set[int] = field(default_factory=set)  # nodes whose agent must come back first
@@ -31,6 +32,13 @@ class ActiveRecovery:
     plan: Plan | None = None
     started: float = 0.0
     deadline: float = 0.0
+    may_shrink: bool = False  # elastic training enabled: awaited nodes may be dropped
+    reschedule_deadline: float = 0.0  # when awaited nodes are dropped (wait_reschedule_timeout)
+    grow: bool = False  # an elastic grow-back, not a fault
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
 
     @property
     def action(self) -> str:
@@ -51,5 +59,6 @@ class ActiveRecovery:
         behind = {rank for rank, step in self.checked_in.items() if step < target}
         self.plan = Plan(action=self.action, strategy=self.strategy, generation=self.generation,
                          world_size=self.world_size, target_step=target, source_rank=source,
-                         receivers=sorted(self.newcomers | behind), reason=self.fault.describe())
+                         receivers=sorted(self.newcomers | behind), reason=self.fault.describe(),
+                         members=list(self.members))
         return self.plan

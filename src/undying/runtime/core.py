@@ -11,6 +11,7 @@ it, takes part in the controller's recovery plan and re-runs it.
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import io
 import json
@@ -18,7 +19,6 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
@@ -26,18 +26,10 @@ from typing import Any, Protocol
 import torch
 
 from undying import events as ev
-from undying.checkpoint import (
-    FileRecord,
-    commit,
-    latest_verified,
-    list_committed,
-    load_object,
-    remove_stale_partials,
-    save_object,
-    staging_dir,
-)
+from undying.checkpoint import commit, save_object, staging_dir
+from undying.checkpoint.dcp_format import write_shared_shard
 from undying.config import JobSpec, spec_from_json
-from undying.data import ResumableLoader
+from undying.data import ResumableLoader, replica_slots
 from undying.inject import Injection, decode, fire
 from undying.protocol import (
     ENV_CONTROLLER,
@@ -64,8 +56,8 @@ from undying.runtime.optim import CommitOptimizer
 from undying.runtime.pg import CollectiveError, GenerationGroup, choose_backend, connect_store, reapers_alive
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng import capture_rng, restore_rng, rng_from_bytes, rng_to_bytes
+from undying.runtime.snapshots import CheckpointEngine, rank_state_file
 
-SHARED_STATE_FILE = "train_state.pt"  # model, optimizer and data position: written once, by rank 0
 RESULT_FILE = "result.json"
 RNG_MIRROR_KEEP = 3  # steps of mirrored RNG state kept in the store per rank
 
@@ -74,10 +66,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def rank_state_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
 
 
 def _to_bytes(obj: Any) -> bytes:
@@ -144,6 +132,10 @@ class Runtime:
             self._store_address = None
             self.store = torch.distributed.HashStore()
         self.store_prefix = env.get(ENV_STORE_PREFIX, "undying/standalone")
+        # The ranks of the current generation in process-group order: all of them, or the ones
+        # left after an elastic shrink. ``rank`` stays this process's identity; ``group_rank`` is
+        # its place in the group and in the data-parallel split.
+        self.members: list[int] = list(range(self.world_size))
         self.group: GenerationGroup | None = None
         if not self.joining:
             self.group = self._build_group(self.generation)
@@ -168,7 +160,17 @@ class Runtime:
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """The first member of the current generation (rank 0 unless an elastic shrink dropped it)."""
+        return self.group_rank == 0
+
+    @property
+    def group_rank(self) -> int:
+        return self.members.index(self.rank)
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas in the current generation (``world_size`` unless shrunk)."""
+        return len(self.members)
 
     def wrap_model(self, model: torch.nn.Module) -> FixedLayoutDDP:
         # A replacement rank gets its parameters in the repair step, not by a broadcast
@@ -176,6 +178,7 @@ class Runtime:
         wrapped = FixedLayoutDDP(model.to(self.device), self._current_group, self.device,
                                  broadcast=not self.joining)
         self.models.append(wrapped)
+        self._apply_members()
         return wrapped
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> CommitOptimizer:
@@ -187,6 +190,7 @@ class Runtime:
     def dataloader(self, dataset: Any, batch_size: int, seed: int = 0, collate_fn: Any = None) -> ResumableLoader:
         loader = ResumableLoader(dataset, batch_size, seed, self.rank, self.world_size, collate_fn)
         self.loaders.append(loader)
+        self._apply_members()
         return loader
 
     def register(self, name: str, obj: Stateful) -> None:
@@ -215,7 +219,7 @@ class Runtime:
         while step < max_steps:
             self._begin_step(step)
             yield Step(step, self)
-            if self._step_failure is None and self._aborted():
+            if self._step_failure is None and not self._updated and self._aborted():
                 self._step_failure = "the controller aborted this generation"
             if self._step_failure is not None:
                 self._recover(self._step_failure)
@@ -223,19 +227,29 @@ class Runtime:
                 first = True
                 continue
             self.committed_step = step + 1
+            if self.spec.sample_log:
+                self._log_samples(step)
             self._mark_commit_boundary()
             self.reporter.update(step=self.committed_step, phase=PHASE_UPDATED)
             if first and self._resumed_from is not None:
                 self.reporter.emit(ev.FIRST_STEP, step=self.committed_step, resumed_from=self._resumed_from)
             first = False
-            if self.committed_step % self.spec.checkpoint.interval == 0:
-                self.save_checkpoint()
+            # T1 snapshot every snapshot_interval steps; T2 every checkpoint.interval, in the background.
+            self.checkpoints.at_commit(self.committed_step)
             step += 1
+            if self._aborted():
+                # The generation ended after every rank had applied this step (e.g. an elastic grow
+                # began): the step stands, and the regrouping starts from it.
+                self._recover("the controller ended this generation at a step boundary")
+                step = self.committed_step
+                first = True
 
     def finish(self, result: dict[str, Any] | None = None) -> None:
         """End of training: rank 0 writes RUN_DIR/result.json; every rank says it is done."""
+        if "checkpoints" in self.__dict__:
+            self.checkpoints.close()  # the last checkpoint is committed before the job may end
         if self.is_main:
-            payload = {"final_step": self.committed_step, "world_size": self.world_size,
+            payload = {"final_step": self.committed_step, "world_size": self.world_size, "replicas": self.replicas,
                        "generation": self.generation, **(result or {})}
             path = self.run_dir / RESULT_FILE
             tmp = path.with_suffix(".json.tmp")
@@ -255,6 +269,8 @@ class Runtime:
         self._step_failure = None
         self._voted = False
         self._updated = False
+        for loader in self.loaders:
+            loader.begin_step()
         self._set_phase(PHASE_COMPUTING)
         for injection in self.injections:
             if injection.kind != "raise" and injection.at == "step" and self._claim(injection, step):
@@ -287,6 +303,13 @@ class Runtime:
         """The commit vote: True iff every rank's step succeeded and the gradients are averaged."""
         if self._voted:
             return self._step_failure is None
+        incomplete = [loader for loader in self.loaders if loader.step_incomplete()]
+        if incomplete and vote_ok:
+            loader = incomplete[0]
+            raise RuntimeError(
+                f"loader: this step took fewer than its {loader.micro_batches} micro-batches; with "
+                f"elastic_batch=accumulate a shrunk replica covers several batch slots, so iterate "
+                f"`for batch in loader.step_batches():` (or set elastic_batch: grow)")
         self._voted = True
         self._set_phase(PHASE_SYNCING)
         if vote_ok:
@@ -346,7 +369,7 @@ class Runtime:
         # its calls, and an abandoned generation's rendezvous may still block in one.
         store = self.store if self._store_address is None else connect_store(*self._store_address,
                                                                                 self.spec.start_timeout)
-        return GenerationGroup(store, self.store_prefix, generation, self.rank, self.world_size,
+        return GenerationGroup(store, self.store_prefix, generation, self.group_rank, self.replicas,
                                self.backend, self._collective_deadline(), self.device,
                                should_abort=self._aborted, join_timeout=self.spec.start_timeout)
 
@@ -378,6 +401,8 @@ class Runtime:
                 self._park(plan)
             self.generation = plan.generation
             self.reporter.generation = plan.generation
+            self.members = list(plan.members) if plan.members else list(range(plan.world_size or self.world_size))
+            self._apply_members()
             try:
                 self._fire_point_injections("recovery", plan.target_step)
                 self.group = self._build_group(plan.generation)
@@ -394,6 +419,35 @@ class Runtime:
                            wait_for_plan=round(planned - started, 4), rebuild=round(rebuilt - planned, 4),
                            repair=round(time.time() - rebuilt, 4), total=round(time.time() - started, 4))
 
+    def _apply_members(self) -> None:
+        """Give the models and loaders this rank's share of the step for the current members: the
+        whole job's global batch is kept when there are fewer replicas (elastic training)."""
+        slots = self.world_size
+        first_slot, slot_count = replica_slots(self.group_rank, self.replicas, slots)
+        mode = self.spec.elastic_batch
+        for loader in self.loaders:
+            if self.replicas == slots:
+                loader.reshard(self.rank, slots)
+            else:
+                loader.set_replicas(self.group_rank, self.replicas, mode)
+        for model in self.models:
+            if self.replicas == slots:
+                model.set_replica_share(1, None)
+            else:
+                model.set_replica_share(slot_count if mode == "grow" else 1, slots)
+
+    def _log_samples(self, step: int) -> None:
+        """Append the sample indices this rank used in committed ``step`` (``sample_log: true``)."""
+        directory = self.run_dir / "samples"
+        directory.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"step": step, "rank": self.rank, "group_rank": self.group_rank,
+                           "replicas": self.replicas, "generation": self.generation, "time": time.time(),
+                           "loss": self.reporter.loss,
+                           "loaders": [{"epoch": loader.step_epoch, "indices": loader.step_indices,
+                                        "slots": loader.slot_count} for loader in self.loaders]})
+        with open(directory / f"rank{self.rank:05d}.jsonl", "a") as log:
+            log.write(line + "\n")
+
     def _park(self, plan: Plan) -> None:
         """Nothing left for this process to do: the controller stops it (job restart or exit)."""
         self.reporter.update(phase=PHASE_RECOVERING)
@@ -407,9 +461,10 @@ class Runtime:
         if self.rank == plan.source_rank:
             blob = _to_bytes(self._replica_state())
             for receiver in plan.receivers:
-                group.send_bytes(blob, receiver)
+                group.send_bytes(blob, self.members.index(receiver))
         if self.rank in plan.receivers:
-            self._load_replica_state(_from_bytes(group.recv_bytes(plan.source_rank), self.device))
+            received = group.recv_bytes(self.members.index(plan.source_rank))
+            self._load_replica_state(_from_bytes(received, self.device))
             self._has_state = True
             rng = self._mirrored_rng(plan.target_step)
         else:
@@ -461,12 +516,15 @@ class Runtime:
         step = plan.target_step
         root = self.checkpoint_root
         staging = staging_dir(root, step, plan.generation)
-        records = [save_object(staging, SHARED_STATE_FILE, {**self._replica_state(), "committed_step": step})]
-        for rank in range(self.world_size):
+        records = write_shared_shard(staging, {**self._replica_state(), "committed_step": step},
+                                     self.checkpoints.param_names())
+        members = plan.members or list(range(self.world_size))
+        for rank in members:
             records.append(save_object(staging, rank_state_file(rank),
                                        {"rng": self._mirrored_rng(step, rank), "statefuls": {}}))
-        committed = commit(root, staging, step=step, generation=plan.generation, world_size=self.world_size,
-                           files=records, meta={"dump": True, "node": self.node}, keep=self.spec.checkpoint.keep)
+        committed = commit(root, staging, step=step, generation=plan.generation, world_size=len(members),
+                           files=records, meta={"dump": True, "node": self.node, "members": members},
+                           keep=self.spec.checkpoint.keep)
         self.reporter.emit(ev.DUMP_COMMITTED, step=step, path=str(committed.path),
                            seconds=round(time.time() - started, 4), bytes=sum(r.size for r in records))
 
@@ -476,57 +534,26 @@ class Runtime:
     def checkpoint_root(self) -> Path:
         return Path(self.spec.checkpoint.dir) if self.spec.checkpoint.dir else self.run_dir / "checkpoints"
 
+    @functools.cached_property
+    def checkpoints(self) -> CheckpointEngine:
+        """T1 snapshots and background T2 checkpoints of this worker (runtime/snapshots.py)."""
+        return CheckpointEngine(self)
+
     def save_checkpoint(self) -> None:
-        """Write this step's state; rank 0 commits it once every rank's files are durable."""
-        started = time.time()
+        """Snapshot the committed step into node memory (the only stall) and persist it to
+        ``checkpoint_root`` in the background; the first member commits it once every rank's files are durable."""
         self._set_phase(PHASE_CHECKPOINTING)
-        step = self.committed_step
-        root = self.checkpoint_root
-        staging = staging_dir(root, step, self.generation)
-        records: list[FileRecord] = []
-        if self.is_main:
-            records.append(save_object(staging, SHARED_STATE_FILE, self._replica_state()))
-        records.append(save_object(staging, rank_state_file(self.rank), self._rank_state()))
-        group = self._current_group()
-        gathered = group.gather_objects(f"ckpt/{step}", json.dumps([asdict(r) for r in records]).encode())
-        if gathered is not None:
-            files = [FileRecord(**raw) for blob in gathered for raw in json.loads(blob)]
-            committed = commit(root, staging, step=step, generation=self.generation, world_size=self.world_size,
-                               files=files, meta={"node": self.node}, keep=self.spec.checkpoint.keep)
-            self.reporter.emit(ev.CHECKPOINT_SAVE, step=step, path=str(committed.path),
-                               seconds=round(time.time() - started, 4), bytes=sum(f.size for f in files))
+        self.checkpoints.save(self.committed_step)
         self._set_phase(PHASE_UPDATED)
 
     def _rank_state(self) -> dict[str, Any]:
-        return {"rng": capture_rng(), "statefuls": {name: obj.state_dict() for name, obj in self.statefuls.items()}}
+        """This rank's own part of a snapshot, as of the last commit boundary."""
+        return {"rng": self._commit_rng or capture_rng(),
+                "statefuls": {name: obj.state_dict() for name, obj in self.statefuls.items()}}
 
     def _restore(self) -> None:
-        started = time.time()
-        root = self.checkpoint_root
-        group = self._current_group()
-        if self.is_main:
-            root.mkdir(parents=True, exist_ok=True)
-            remove_stale_partials(root, self.generation)
-            chosen = latest_verified(root, on_corrupt=lambda path, reason: self.reporter.emit(
-                ev.CHECKPOINT_CORRUPT, path=str(path), reason=reason))
-            group.publish("restore_step", str(chosen.step if chosen else -1).encode())
-        step = int(group.read("restore_step"))
-        if step < 0:
-            return
-        checkpoint = next(c for c in list_committed(root) if c.step == step)
-        self._load_replica_state(load_object(checkpoint, SHARED_STATE_FILE, map_location=self.device))
-        if checkpoint.manifest.world_size == self.world_size:
-            mine = load_object(checkpoint, rank_state_file(self.rank))
-            if mine["rng"]:
-                restore_rng(mine["rng"])
-            for name, state in mine["statefuls"].items():
-                if name in self.statefuls:
-                    self.statefuls[name].load_state_dict(state)
-        self._resumed_from = self.committed_step
-        self.reporter.update(step=self.committed_step)
-        self.reporter.emit(ev.CHECKPOINT_LOAD, step=self.committed_step, path=str(checkpoint.path),
-                           source="storage", seconds=round(time.time() - started, 4),
-                           dump=bool(checkpoint.manifest.meta.get("dump")))
+        """Load the newest state every rank can reach: node memory (T1) or storage (T2)."""
+        self.checkpoints.restore()
 
     # ------------------------------------------------------------- internals
 

@@ -38,6 +38,10 @@ class FixedLayoutDDP(torch.nn.Module):
     equal on every rank (broadcast from rank 0 at wrap time). Does not overlap
     communication with the backward pass; the sync happens once, at ``opt.step()``.
     A parameter without a gradient on a rank contributes zeros.
+
+    After an elastic shrink (``set_replica_share``) the average stays the one over the
+    job's full global batch: each replica's gradient is weighted by the share of the
+    step's batch slots it covered and the sum is divided by the number of slots.
     """
 
     def __init__(self, module: torch.nn.Module, group_of: Callable[[], GenerationGroup],
@@ -53,6 +57,8 @@ class FixedLayoutDDP(torch.nn.Module):
             by_dtype.setdefault(param.dtype, []).append(param)
         self._buckets = [_Bucket(group, device, with_vote=(index == 0))
                          for index, group in enumerate(by_dtype.values())]
+        self._gradient_weight = 1  # slots covered by one backward of this replica (elastic ``grow``)
+        self._slots_per_step: int | None = None  # None: divide by the process group's size
         if broadcast:
             self.sync_parameters()
 
@@ -73,6 +79,13 @@ class FixedLayoutDDP(torch.nn.Module):
             for tensor, view in zip(same_dtype, flat_views(same_dtype, flat), strict=True):
                 tensor.copy_(view)
 
+    def set_replica_share(self, gradient_weight: int, slots_per_step: int | None) -> None:
+        """Elastic training: this replica's gradient stands for ``gradient_weight`` batch slots (one
+        larger batch) and the step's gradient is the sum over ``slots_per_step`` slots divided by it.
+        ``(1, None)`` is the plain data-parallel mean over the group."""
+        self._gradient_weight = gradient_weight
+        self._slots_per_step = slots_per_step
+
     @torch.no_grad()
     def sync_gradients(self, vote_ok: bool = True) -> bool:
         """Average gradients over the world; returns True iff every rank voted its step ok."""
@@ -85,12 +98,14 @@ class FixedLayoutDDP(torch.nn.Module):
                     view.zero_()
                 else:
                     view.copy_(param.grad)
+            if self._gradient_weight != 1:
+                bucket.flat.mul_(self._gradient_weight)
             if bucket.vote_index is not None:
                 bucket.flat[bucket.vote_index] = 1.0 if vote_ok else 0.0
             group.allreduce_sum(bucket.flat)
             if bucket.vote_index is not None:
                 all_ok = int(bucket.flat[bucket.vote_index].item()) == world_size
-            bucket.flat.div_(world_size)
+            bucket.flat.div_(self._slots_per_step or world_size)
             for param, view in zip(bucket.params, bucket.views, strict=True):
                 if param.grad is None:
                     param.grad = view.clone()

@@ -1,0 +1,288 @@
+"""Checkpoint benchmark: what a checkpoint costs the training loop, how long it takes to persist and
+to load, and how much memory it needs: undying (T1 snapshot + background T2) against synchronous
+``torch.save`` and ``torch.distributed.checkpoint.async_save``, on CPU, in one process.
+
+Runs standalone (no job, no agent): the engine's own classes on the same tensors each method
+sees. The physical limit is a plain ``copy_`` of the same tensors into preallocated memory.
+
+    python bench/checkpoint.py --out bench/results/checkpoint.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from undying.checkpoint import latest_verified
+from undying.checkpoint.dcp_format import optimizer_param_names, read_shared_shard
+from undying.checkpoint.persister import Persister
+from undying.checkpoint.snapshot import RankSnapshots, flatten_state
+
+WIDTH = 2048  # square bias-free linear layers of 2048 x 2048 = 4.19M parameters each
+# name -> (layers, with AdamW state, full comparison). 1B with AdamW is 12 GB of state and does not
+# fit twice (live + a T1 slot) in this machine's 23 GiB: it runs with parameters only and fewer methods.
+SIZES = {"50M": (12, True, True), "200M": (48, True, True), "1B": (240, False, False)}
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """Samples this process's resident memory (shared-memory pages it maps included) every 2 ms."""
+
+    def __init__(self) -> None:
+        self.base = rss_bytes()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_bytes())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * PAGE
+
+
+def gil_waits(until: Callable[[], bool], at_least: float = 0.0) -> dict[str, float]:
+    """How long this thread waits for the GIL while another thread works: sleep 1 ms in a loop and
+    record each wake-up's delay beyond the 1 ms (a thread holding the GIL delays it)."""
+    delays, started = [], time.perf_counter()
+    while not until() or time.perf_counter() - started < at_least:
+        before = time.perf_counter()
+        time.sleep(0.001)
+        delays.append(time.perf_counter() - before - 0.001)
+    delays.sort()
+    return {"max_s": delays[-1], "p99_s": delays[int(0.99 * (len(delays) - 1))], "samples": len(delays)}
+
+
+def build(layers: int, adamw: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False, device="meta") for _ in range(layers)])
+    model.to_empty(device="cpu")
+    for index, parameter in enumerate(model.parameters()):
+        parameter.data.fill_(0.001 * (index + 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if adamw:
+        for parameter in model.parameters():  # AdamW's own state layout, without paying for a step
+            optimizer.state[parameter] = {"step": torch.tensor(1.0), "exp_avg": torch.full_like(parameter, 0.01),
+                                          "exp_avg_sq": torch.full_like(parameter, 0.0001)}
+    return model, optimizer
+
+
+def replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"committed_step": 1, "models": [model.state_dict()], "optimizers": [optimizer.state_dict()],
+            "loaders": [{"epoch": 0, "position": 0, "seed": 0, "dataset_len": 1}], "statefuls": {}}
+
+
+def timed(function: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    function()
+    return time.perf_counter() - started
+
+
+def measure_copy(tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
+    destinations = [torch.empty_like(tensor) for tensor in tensors]
+    for destination in destinations:
+        destination.zero_()  # pages allocated before timing, as a preallocated buffer is
+
+    def copy() -> None:
+        for destination, tensor in zip(destinations, tensors, strict=True):
+            destination.copy_(tensor)
+
+    times = [timed(copy) for _ in range(repeats)]
+    destinations.clear()
+    return {"stall_s": statistics.median(times), "runs": times}
+
+
+def measure_undying(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path, full: bool,
+                    repeats: int) -> dict[str, Any]:
+    shm_dir = Path(os.environ.get("UNDYING_SHM_DIR", "/dev/shm")) / f"undying-bench-{os.getpid()}" / "node0"
+    snapshots = RankSnapshots(shm_dir, rank=0, slots=2)
+    state = {"replica": replica_state(model, optimizer), "rank": {"rng": {"torch": torch.get_rng_state()},
+                                                                  "statefuls": {}}}
+    result: dict[str, Any] = {}
+    try:
+        with PeakRss() as memory:
+            first = timed(lambda: snapshots.write(state, step=1, generation=1, world_size=1))
+            reserve = timed(snapshots.wait_reserved)  # the other slot, grown in the background
+            second = timed(lambda: snapshots.write(state, step=2, generation=1, world_size=1))
+            steady = [timed(lambda s=step: snapshots.write(state, step=s, generation=1, world_size=1))
+                      for step in range(3, 3 + repeats)]
+        step = 2 + repeats
+        result.update({"stall_s": statistics.median(steady), "runs": steady, "first_snapshot_s": first,
+                       "second_snapshot_s": second, "background_reserve_s": reserve, "extra_memory_bytes": snapshots.nbytes_reserved(),
+                       "rss_delta_bytes": memory.extra})
+        started = time.perf_counter()
+        read = snapshots.read(step, live={"replica": replica_state(model, optimizer)})
+        model.load_state_dict(read["replica"]["models"][0])
+        optimizer.load_state_dict(read["replica"]["optimizers"][0])
+        result["load_t1_s"] = time.perf_counter() - started
+        del read
+        if not full:
+            return result
+        root = work / "undying"
+        idle = gil_waits(lambda: True, at_least=0.5)
+        persister = Persister(snapshots=snapshots, root=root, rank=0, world_size=1,
+                              store=torch.distributed.HashStore(), key_prefix="bench", keep=1,
+                              param_names=[optimizer_param_names(optimizer, [model])], rank_file="rank_00000.pt",
+                              records_timeout=600, current_generation=lambda: 1)
+        started = time.perf_counter()
+        submitted = persister.submit(step, 1, [0])
+        busy = gil_waits(lambda: persister.flush(0))
+        result["persist_s"] = time.perf_counter() - started
+        result["submit_s"] = submitted
+        result["gil_wait_idle"], result["gil_wait_persisting"] = idle, busy
+        persister.close()
+        [outcome] = persister.results()
+        assert outcome.committed, outcome
+        result["checkpoint_bytes"] = outcome.nbytes
+        started = time.perf_counter()
+        checkpoint = latest_verified(root)
+        loaded = read_shared_shard(checkpoint, verified=True)
+        model.load_state_dict(loaded["models"][0])
+        optimizer.load_state_dict(loaded["optimizers"][0])
+        result["load_t2_s"] = time.perf_counter() - started
+        del loaded
+        return result
+    finally:
+        snapshots.close()
+        shutil.rmtree(shm_dir.parent, ignore_errors=True)
+
+
+def measure_torch_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path) -> dict[str, Any]:
+    path = work / "torch_save.pt"
+    with PeakRss() as memory:
+        stall = timed(lambda: torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path))
+
+    def sync() -> None:
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+
+    durable = stall + timed(sync)
+    started = time.perf_counter()
+    loaded = torch.load(path, weights_only=True)
+    model.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    load = time.perf_counter() - started
+    del loaded
+    path.unlink()
+    return {"stall_s": stall, "persist_s": durable, "load_s": load, "rss_delta_bytes": memory.extra}
+
+
+def measure_async_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path) -> dict[str, Any]:
+    directory = work / "async_save"
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    idle = gil_waits(lambda: True, at_least=0.5)
+    with PeakRss() as memory:
+        started = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=str(directory), no_dist=True)
+        stall = time.perf_counter() - started
+        busy = gil_waits(future.done)
+        future.result()
+        persist = time.perf_counter() - started
+    shutil.rmtree(directory, ignore_errors=True)
+    return {"stall_s": stall, "persist_s": persist, "rss_delta_bytes": memory.extra,
+            "gil_wait_idle": idle, "gil_wait_persisting": busy}
+
+
+def run_size(name: str, work: Path, repeats: int) -> dict[str, Any]:
+    layers, adamw, full = SIZES[name]
+    model, optimizer = build(layers, adamw)
+    _, tensors = flatten_state(replica_state(model, optimizer))
+    nbytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+    params = sum(parameter.numel() for parameter in model.parameters())
+    print(f"{name}: {params / 1e6:.0f}M parameters, adamw={adamw}, {nbytes / 2**30:.2f} GiB of state", flush=True)
+    row: dict[str, Any] = {"size": name, "parameters": params, "adamw": adamw, "state_bytes": nbytes,
+                           "threads": torch.get_num_threads()}
+    row["copy"] = measure_copy(tensors, repeats)
+    print(f"  copy_ {row['copy']['stall_s']:.3f} s", flush=True)
+    row["undying"] = measure_undying(model, optimizer, work, full, repeats)
+    print(f"  undying {row['undying']}", flush=True)
+    row["torch_save"] = measure_torch_save(model, optimizer, work)
+    print(f"  torch.save {row['torch_save']}", flush=True)
+    if full:
+        row["async_save"] = measure_async_save(model, optimizer, work)
+        print(f"  async_save {row['async_save']}", flush=True)
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def s(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    def gib(value: int | None) -> str:
+        return "-" if value is None else f"{value / 2**30:.2f}"
+
+    lines = ["| model | state GiB | copy_ s | undying stall s (x copy) | torch.save stall s | async_save stall s "
+             "| persist s: undying / torch.save+fsync / async_save | load s: T1 / T2 / torch.load "
+             "| extra memory GiB: undying (T1 slots) / torch.save / async_save "
+             "| training thread's GIL wait while persisting, max (p99) ms: undying / async_save |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        u, t, a = row["undying"], row["torch_save"], row.get("async_save", {})
+        label = f"{row['size']} ({row['parameters'] / 1e6:.0f}M{' + AdamW' if row['adamw'] else ', no optimizer state'})"
+        ratio = u["stall_s"] / row["copy"]["stall_s"]
+        def wait(result: dict[str, Any]) -> str:
+            busy = result.get("gil_wait_persisting")
+            return "-" if busy is None else f"{busy['max_s'] * 1e3:.1f} ({busy['p99_s'] * 1e3:.1f})"
+
+        lines.append(
+            f"| {label} | {row['state_bytes'] / 2**30:.2f} | {s(row['copy']['stall_s'])} | {s(u['stall_s'])} "
+            f"({ratio:.2f}x) | {s(t['stall_s'])} | {s(a.get('stall_s'))} "
+            f"| {s(u.get('persist_s'))} / {s(t['persist_s'])} / {s(a.get('persist_s'))} "
+            f"| {s(u['load_t1_s'])} / {s(u.get('load_t2_s'))} / {s(t['load_s'])} "
+            f"| {gib(u['extra_memory_bytes'])} / {gib(t['rss_delta_bytes'])} / {gib(a.get('rss_delta_bytes'))} "
+            f"| {wait(u)} / {wait(a)} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--repeats", type=int, default=3, help="steady-state snapshots / copies timed per size")
+    parser.add_argument("--work-dir", default=None, help="where checkpoints are written (default: a temp dir)")
+    parser.add_argument("--out", default="bench/results/checkpoint.json")
+    args = parser.parse_args()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="undying-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    try:
+        for name in args.sizes:
+            rows.append(run_size(name, work, args.repeats))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "torch": torch.__version__,
+              "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""T2 format of the shared shard: a torch.distributed.checkpoint (DCP) directory that needs no undying to read.
+
+Runs in the worker: rank 0's persister thread (or the dying-checkpoint writer) writes it into
+a checkpoint's staging directory, and rank 0 reads it back at a restore. The state dict
+handed to ``torch.distributed.checkpoint.save`` (which flattens nested keys with dots)::
+
+    model          the first model's state_dict, keyed by the model's own FQNs
+    model_<i>      further models, if the job wrapped several
+    optimizer      {"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}: the
+                   layout of torch.distributed.checkpoint.state_dict.get_optimizer_state_dict
+    optimizer_<i>  further optimizers
+    undying        {"format", "committed_step", "loaders", "statefuls", "models", "optimizers"}
+
+``dcp.load({"model": model.state_dict()}, checkpoint_id=path)`` loads the weights into a
+plain model (docs/checkpoints.md). Our MANIFEST.json sits beside DCP's ``.metadata`` and
+``*.distcp`` files and lists each with its size and CRC-32.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from undying.checkpoint.snapshot import flatten_state, unflatten_state
+from undying.checkpoint.storage import (
+    CommittedCheckpoint,
+    CorruptCheckpoint,
+    FileRecord,
+    record_file,
+    verify_files,
+)
+
+DCP_METADATA = ".metadata"
+DCP_DATA_SUFFIX = ".distcp"
+UNDYING_KEY = "undying"
+SHARD_FORMAT = 1
+
+# Saving without a default process group is exactly what we mean (one replica writes the shard).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+
+def model_key(index: int) -> str:
+    return "model" if index == 0 else f"model_{index}"
+
+
+def optimizer_key(index: int) -> str:
+    return "optimizer" if index == 0 else f"optimizer_{index}"
+
+
+def optimizer_param_names(optimizer: Any, modules: list[torch.nn.Module]) -> list[str]:
+    """The FQN of each parameter of ``optimizer``, in the order its ``state_dict`` numbers them.
+
+    A parameter of the first module is named as in that module's state_dict; one of module
+    ``i > 0`` gets the prefix ``model_<i>.``; one in no module gets ``unnamed.<n>``.
+    """
+    names: dict[int, str] = {}
+    for index, module in enumerate(modules):
+        prefix = "" if index == 0 else f"{model_key(index)}."
+        for name, parameter in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(parameter), prefix + name)
+    ordered: list[str] = []
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            ordered.append(names.get(id(parameter), f"unnamed.{len(ordered)}"))
+    return ordered
+
+
+def materialize(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors own their memory (not views into a snapshot slot): what
+    ``torch.save`` of a view would otherwise write is the whole slot."""
+    skeleton, tensors = flatten_state(obj)
+    return unflatten_state(skeleton, [tensor.clone() for tensor in tensors])
+
+
+def to_dcp(replica_state: dict[str, Any], param_names: list[list[str]]) -> dict[str, Any]:
+    """The runtime's replica state (models, optimizers with integer parameter ids, loaders,
+    statefuls) as the FQN-keyed state dict described in the module docstring."""
+    state: dict[str, Any] = {}
+    for index, model_state in enumerate(replica_state["models"]):
+        state[model_key(index)] = model_state
+    for index, optimizer_state in enumerate(replica_state["optimizers"]):
+        names = param_names[index]
+        state[optimizer_key(index)] = {
+            "state": {names[param_id]: per_param for param_id, per_param in optimizer_state["state"].items()},
+            "param_groups": [
+                {**materialize({k: v for k, v in group.items() if k != "params"}),
+                 "params": [names[param_id] for param_id in group["params"]]}
+                for group in optimizer_state["param_groups"]
+            ],
+        }
+    state[UNDYING_KEY] = materialize({
+        "format": SHARD_FORMAT,
+        "committed_step": replica_state["committed_step"],
+        "loaders": replica_state["loaders"],
+        "statefuls": replica_state.get("statefuls", {}),
+        "models": len(replica_state["models"]),
+        "optimizers": len(replica_state["optimizers"]),
+    })
+    return state
+
+
+def from_dcp(state: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of ``to_dcp``: optimizer state numbered again in param_groups order, as
+    ``torch.optim.Optimizer.load_state_dict`` expects."""
+    extras = state[UNDYING_KEY]
+    if extras.get("format") != SHARD_FORMAT:
+        raise ValueError(f"unsupported shared-shard format {extras.get('format')!r}")
+    optimizers = []
+    for index in range(extras["optimizers"]):
+        saved = state[optimizer_key(index)]
+        ids: dict[str, int] = {}
+        for group in saved["param_groups"]:
+            for name in group["params"]:
+                ids[name] = len(ids)
+        optimizers.append({
+            # An optimizer that has not stepped yet has no state, and DCP stores no empty dict.
+            "state": {ids[name]: per_param for name, per_param in saved.get("state", {}).items()},
+            "param_groups": [{**group, "params": [ids[name] for name in group["params"]]}
+                             for group in saved["param_groups"]],
+        })
+    return {
+        "committed_step": extras["committed_step"],
+        "models": [state.get(model_key(index), {}) for index in range(extras["models"])],
+        "optimizers": optimizers,
+        "loaders": extras["loaders"],
+        "statefuls": extras.get("statefuls", {}),
+    }
+
+
+def write_shared_shard(staging: Path, replica_state: dict[str, Any],
+                       param_names: list[list[str]]) -> list[FileRecord]:
+    """Save the shared shard with DCP into ``staging``; return the records of every file DCP wrote.
+
+    Tensors may be views into a T1 slot: DCP copies each into a tensor of its own size before
+    ``torch.save``, one at a time, so the extra memory is the largest tensor.
+    """
+    # Imported here, not at module load: torch.distributed.checkpoint costs every worker ~1.6 s of
+    # import (3+ s with four workers on two cores), on the critical path of a cold replacement.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    metadata = dcp.save(to_dcp(replica_state, param_names),
+                        storage_writer=FileSystemWriter(staging, sync_files=True, single_file_per_rank=True),
+                        no_dist=True)
+    names = sorted({info.relative_path for info in metadata.storage_data.values()}) + [DCP_METADATA]
+    return [record_file(staging, name) for name in names]
+
+
+def is_dcp_shard(ckpt: CommittedCheckpoint) -> bool:
+    return any(record.name == DCP_METADATA for record in ckpt.manifest.files)
+
+
+def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False) -> dict[str, Any]:
+    """The replica state in ``ckpt``'s DCP files, after checking their sizes and CRC-32 against
+    the manifest (skipped with ``verified=True``, when the caller just verified the checkpoint).
+
+    Raises ``CorruptCheckpoint`` if the bytes do not match or DCP cannot read them.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    names = [record.name for record in ckpt.manifest.files
+             if record.name == DCP_METADATA or record.name.endswith(DCP_DATA_SUFFIX)]
+    if not verified:
+        verify_files(ckpt, names)
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, storage_reader=FileSystemReader(ckpt.path),
+                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        return from_dcp(state)
+    except Exception as error:  # noqa: BLE001 - any failure to parse verified bytes means unusable
+        raise CorruptCheckpoint(f"{ckpt.path}: DCP shard unreadable ({error!r})") from error

@@ -1,0 +1,197 @@
+"""Background persistence: T1 snapshots become T2 checkpoints on a thread beside the training loop.
+
+Runs in the worker, one ``Persister`` (and one thread) per rank. The training thread pins
+a snapshot and submits it; the persister writes it into the checkpoint's staging
+directory (rank 0: the shared shard in DCP format; every rank: its own small rank file),
+announces its file records in the job's store, and rank 0's persister (the generation's
+first member) commits the checkpoint once every rank's records are there.
+
+Why a thread and not a process: the bytes are already a stable copy in shared memory,
+and the work is file writes, fsync, DCP's per-tensor copy and ``zlib.crc32`` over large
+buffers, all of which release the GIL; the GIL is held only for DCP's planning and the
+pickling of small objects (bench/checkpoint.py measures what that costs the training
+thread). Coordination goes through the job's c10d store on the persister's own
+connection, never through the training process group, which the training thread is
+using at the same time.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from undying.checkpoint.dcp_format import materialize, write_shared_shard
+from undying.checkpoint.snapshot import RankSnapshots
+from undying.checkpoint.storage import FileRecord, commit, save_object, staging_dir
+
+RECORDS_POLL_S = 0.01  # how often rank 0 looks for the other ranks' file records
+
+
+@dataclass(frozen=True)
+class PersistResult:
+    """What one persistence job did on this rank (``committed`` only ever on the committing rank)."""
+
+    step: int
+    generation: int
+    committed: bool
+    path: str | None
+    seconds: float
+    nbytes: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class _Job:
+    step: int
+    generation: int
+    members: tuple[int, ...]  # the generation's ranks; the first writes the shared shard and commits
+    slot: int
+    fault: Callable[[], None] | None
+
+
+class Persister:
+    """Writes pinned T1 snapshots to T2, one job at a time, on a daemon thread.
+
+    Guarantees:
+
+    - A checkpoint is committed (by the generation's first member only, with
+      ``storage.commit``: files fsynced, manifest with sizes and CRC-32 renamed into place)
+      only after every member published the records of its files for that step and generation;
+      until then it is a ``.partial`` directory that no reader lists.
+    - The snapshot being written stays pinned, so the training thread never overwrites it.
+    - Jobs run in submission order; ``submit`` returns at once unless the previous job is
+      still running, in which case it waits for it (back-pressure: a checkpoint interval
+      shorter than the time to persist slows training down rather than piling up pins).
+
+    Not guaranteed: that a job commits. A rank that never publishes (it died, or the job
+    moved to a new generation) makes rank 0 give up after ``records_timeout`` seconds and
+    leave the staging directory for ``remove_stale_partials``.
+    """
+
+    def __init__(self, *, snapshots: RankSnapshots, root: Path, rank: int, world_size: int,
+                 store: dist.Store, key_prefix: str, keep: int, param_names: list[list[str]],
+                 rank_file: str, records_timeout: float, current_generation: Callable[[], int],
+                 commit_meta: dict[str, object] | None = None) -> None:
+        self.snapshots = snapshots
+        self.root = root
+        self.rank = rank
+        self.world_size = world_size
+        self.store = store
+        self.key_prefix = key_prefix
+        self.keep = keep
+        self.param_names = param_names
+        self.rank_file = rank_file
+        self.records_timeout = records_timeout
+        self.current_generation = current_generation
+        self.commit_meta = dict(commit_meta or {})
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._wake = threading.Event()
+        self._pending: _Job | None = None
+        self._results: list[PersistResult] = []
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="undying-persister", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ training thread
+
+    def submit(self, step: int, generation: int, members: list[int],
+               fault: Callable[[], None] | None = None) -> float:
+        """Persist the snapshot of ``step`` taken in ``generation``, whose ranks are ``members``;
+        returns the seconds spent waiting for the previous job."""
+        started = time.perf_counter()
+        self._idle.wait()
+        waited = time.perf_counter() - started
+        slot = self.snapshots.pin(step)
+        with self._lock:
+            self._pending = _Job(step, generation, tuple(members), slot, fault)
+            self._idle.clear()
+        self._wake.set()
+        return waited
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the submitted job is done; False if ``timeout`` passed first."""
+        return self._idle.wait(timeout)
+
+    def results(self) -> list[PersistResult]:
+        """Results of finished jobs since the last call (the training thread turns them into events)."""
+        with self._lock:
+            results, self._results = self._results, []
+        return results
+
+    def close(self, timeout: float | None = None) -> None:
+        self.flush(timeout)
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------ persister thread
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                job, self._pending = self._pending, None
+            if job is None:
+                if self._closing:
+                    return
+                continue
+            started = time.monotonic()
+            try:
+                result = self._persist(job, started)
+            except Exception as error:  # noqa: BLE001 - reported as a result, the training goes on
+                result = PersistResult(job.step, job.generation, False, None, time.monotonic() - started, 0,
+                                       f"{type(error).__name__}: {error}")
+            finally:
+                self.snapshots.unpin(job.slot)
+            with self._lock:
+                self._results.append(result)
+            self._idle.set()
+
+    def _records_key(self, job: _Job) -> str:
+        return f"{self.key_prefix}/persist/g{job.generation}/{job.step}"
+
+    def _persist(self, job: _Job, started: float) -> PersistResult:
+        staging = staging_dir(self.root, job.step, job.generation)
+        state = self.snapshots.read_slot(job.slot, clone=False)
+        records: list[FileRecord] = []
+        writer = job.members[0]
+        if self.rank == writer:
+            records += write_shared_shard(staging, state["replica"], self.param_names)
+        if job.fault is not None:
+            job.fault()  # an injected fault: the shard is on disk, nothing is committed
+        records.append(save_object(staging, self.rank_file, materialize(state["rank"])))
+        del state  # views into the pinned slot: gone before the slot is unpinned
+        key = self._records_key(job)
+        self.store.set(f"{key}/{self.rank}", json.dumps([asdict(record) for record in records]))
+        if self.rank != writer:
+            return PersistResult(job.step, job.generation, False, None, time.monotonic() - started,
+                                 sum(record.size for record in records))
+
+        keys = [f"{key}/{rank}" for rank in job.members]
+        deadline = time.monotonic() + self.records_timeout
+        while not self.store.check(keys):
+            if self.current_generation() != job.generation:
+                raise RuntimeError(f"generation {job.generation} ended before every rank wrote step {job.step}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not every rank wrote its files of step {job.step} "
+                                   f"within {self.records_timeout:g} s")
+            time.sleep(RECORDS_POLL_S)
+        files = [FileRecord(**raw) for k in keys for raw in json.loads(self.store.get(k))]
+        # The manifest's world size is the number of replicas that wrote it (fewer than the job's after
+        # an elastic shrink): only then does a restart of the same size restore each rank's RNG.
+        committed = commit(self.root, staging, step=job.step, generation=job.generation,
+                           world_size=len(job.members), files=files,
+                           meta={**self.commit_meta, "members": list(job.members)}, keep=self.keep)
+        for k in keys:
+            self.store.delete_key(k)
+        return PersistResult(job.step, job.generation, True, str(committed.path), time.monotonic() - started,
+                             sum(record.size for record in files))

@@ -1,0 +1,190 @@
+"""T1 snapshots: bitwise round trip, torn writes never visible, no reallocation, pins, shared-memory cleanup."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import OrderedDict, namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from undying import shm
+from undying.checkpoint.snapshot import STATE_WRITING, RankSnapshots, flatten_state, unflatten_state
+
+REPO = Path(__file__).resolve().parents[2]
+Pair = namedtuple("Pair", "left right")
+
+
+def training_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 16)).sum().backward()
+    optimizer.step()
+    return {
+        "replica": {"committed_step": 7, "models": [model.state_dict()], "optimizers": [optimizer.state_dict()],
+                    "loaders": [{"epoch": 1, "position": 48, "seed": 0, "dataset_len": 100}],
+                    "statefuls": {"counter": {"value": torch.tensor([3, 4]), "pair": Pair(1, torch.ones(2))}}},
+        "rank": {"rng": {"torch": torch.get_rng_state(), "python": (3, (1, 2), None)}, "statefuls": {}},
+    }
+
+
+def assert_same(left: object, right: object) -> None:
+    """Equal structure and types, tensors bitwise equal with the same dtype and shape."""
+    assert type(left) is type(right), (type(left), type(right))
+    if isinstance(left, torch.Tensor):
+        assert left.dtype == right.dtype and left.shape == right.shape
+        assert torch.equal(left, right)
+    elif isinstance(left, dict):
+        assert list(left) == list(right)
+        assert getattr(left, "_metadata", None) == getattr(right, "_metadata", None)
+        for key in left:
+            assert_same(left[key], right[key])
+    elif isinstance(left, (list, tuple)):
+        assert len(left) == len(right)
+        for a, b in zip(left, right, strict=True):
+            assert_same(a, b)
+    else:
+        assert left == right
+
+
+def test_flatten_round_trip_keeps_types_and_metadata() -> None:
+    state = training_state()
+    skeleton, tensors = flatten_state(state)
+    assert all(isinstance(t, torch.Tensor) for t in tensors)
+    assert_same(unflatten_state(skeleton, tensors), state)
+    assert isinstance(unflatten_state(skeleton, tensors)["replica"]["models"][0], OrderedDict)
+
+
+@pytest.mark.parametrize("in_shm", [True, False])
+def test_snapshot_round_trip_is_bitwise(tmp_path: Path, in_shm: bool) -> None:
+    state = training_state()
+    snapshots = RankSnapshots(tmp_path / "node0" if in_shm else None, rank=3)
+    info = snapshots.write(state, step=7, generation=2, world_size=4)
+    assert info is not None and (info.step, info.generation, info.world_size) == (7, 2, 4)
+    copy = snapshots.read(7)
+    assert_same(copy, state)
+    # A private copy: the next snapshots may reuse the slot without changing what was read.
+    snapshots.write(training_state(seed=1), step=8, generation=2, world_size=4)
+    snapshots.write(training_state(seed=2), step=9, generation=2, world_size=4)
+    assert_same(copy, state)
+
+
+def test_torn_slot_is_never_returned(tmp_path: Path) -> None:
+    """A slot whose commit word is not COMMITTED (a writer died mid-copy) is invisible to readers."""
+    snapshots = RankSnapshots(tmp_path, rank=0)
+    snapshots.write(training_state(seed=1), step=1, generation=1, world_size=1)
+    snapshots.wait_reserved()
+    snapshots.write(training_state(seed=2), step=2, generation=1, world_size=1)
+    newest = snapshots.committed()[0]
+    snapshots._slots[newest.slot].set_state(STATE_WRITING)
+    snapshots.close()
+    reopened = RankSnapshots(tmp_path, rank=0)
+    assert [info.step for info in reopened.committed()] == [1]
+    with pytest.raises(KeyError):
+        reopened.read(2)
+
+
+def test_a_writer_killed_mid_copy_leaves_only_complete_snapshots(tmp_path: Path) -> None:
+    """Real torn writes: a process snapshots a 48 MB state (every element = its step) in a loop and is
+    SIGKILLed at some point of some copy; every snapshot still listed must hold exactly its step."""
+    writer = textwrap.dedent(f"""
+        import sys, torch
+        from pathlib import Path
+        from undying.checkpoint.snapshot import RankSnapshots
+        snapshots = RankSnapshots(Path({str(tmp_path)!r}), rank=0)
+        state = {{"weights": [torch.zeros(1 << 20) for _ in range(12)]}}
+        step = 0
+        while True:
+            step += 1
+            for tensor in state["weights"]:
+                tensor.fill_(float(step))
+            snapshots.write(state, step=step, generation=1, world_size=1)
+            if step == 2:
+                print("ready", flush=True)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    snapshots = RankSnapshots(tmp_path, rank=0)
+    held = snapshots.committed()
+    assert held, "the older slot must survive whatever the killed write did"
+    for info in held:
+        weights = snapshots.read(info.step)["weights"]
+        assert all(bool((tensor == float(info.step)).all()) for tensor in weights), f"step {info.step} is torn"
+
+
+def test_snapshots_reuse_their_buffers(tmp_path: Path) -> None:
+    """100 snapshots: same memory under the views, no growth of reserved bytes or of the process RSS."""
+    state = {"weights": [torch.randn(256, 256) for _ in range(8)], "step": 0}
+    snapshots = RankSnapshots(tmp_path, rank=0)
+    for step in range(1, 5):
+        snapshots.write(state, step=step, generation=1, world_size=1)
+        snapshots.wait_reserved()
+    pointers = sorted(view.data_ptr() for slot in snapshots._slots for view in slot.views)
+    reserved = snapshots.nbytes_reserved()
+    rss_before = _rss_bytes()
+    for step in range(5, 105):
+        state["step"] = step
+        state["weights"][step % 8].add_(1.0)
+        assert snapshots.write(state, step=step, generation=1, world_size=1) is not None
+    assert sorted(view.data_ptr() for slot in snapshots._slots for view in slot.views) == pointers
+    assert snapshots.nbytes_reserved() == reserved
+    assert _rss_bytes() - rss_before < 4 << 20
+    assert_same(snapshots.read(104), state)
+
+
+def test_pinned_and_newest_slots_are_never_overwritten(tmp_path: Path) -> None:
+    snapshots = RankSnapshots(tmp_path, rank=0, slots=2)
+    state = {"weights": torch.zeros(4)}
+    for step in (1, 2):
+        snapshots.write({"weights": torch.full((4,), float(step))}, step=step, generation=1, world_size=1)
+        snapshots.wait_reserved()  # the second slot is grown in the background after the first write
+    pinned = snapshots.pin(1)
+    # Slot of step 2 is the newest, slot of step 1 is pinned: nowhere to write, the snapshot is skipped.
+    assert snapshots.write(state, step=3, generation=1, world_size=1) is None
+    assert snapshots.skipped == 1
+    assert torch.equal(snapshots.read_slot(pinned, clone=False)["weights"], torch.ones(4))
+    snapshots.unpin(pinned)
+    assert snapshots.write(state, step=3, generation=1, world_size=1) is not None
+    assert [info.step for info in snapshots.committed()] == [3, 2]
+    snapshots.invalidate(keep_step=2)
+    assert [info.step for info in snapshots.committed()] == [2]
+
+
+def test_other_slots_grow_in_the_background(tmp_path: Path) -> None:
+    """The first snapshot allocates its own slot only; the next ones skip the slot still being grown."""
+    snapshots = RankSnapshots(tmp_path, rank=0, slots=3)
+    state = {"weights": torch.ones(1 << 20)}
+    assert snapshots.write(state, step=1, generation=1, world_size=1) is not None
+    snapshots.wait_reserved()
+    sizes = [slot.size for slot in snapshots._slots]
+    assert len(set(sizes)) == 1 and sizes[0] > 4 << 20
+    assert [snapshots.write(state, step=s, generation=1, world_size=1).slot for s in (2, 3, 4)] == [1, 2, 0]
+
+
+def test_stale_shared_memory_of_dead_jobs_is_removed(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    shm.claim_node_dir("deadjob", 0, pid=dead.pid, root=tmp_path)
+    (shm.node_dir("deadjob", 0, tmp_path) / "rank00000.slot0").write_bytes(b"x" * 10)
+    live = shm.claim_node_dir("livejob", 0, root=tmp_path)  # owned by this (live) process
+    removed = shm.remove_stale(keep_job="mine", root=tmp_path)
+    assert removed == [shm.job_dir("deadjob", tmp_path)]
+    assert live.is_dir() and not shm.job_dir("deadjob", tmp_path).exists()
+    shm.remove_node_dir("livejob", 0, tmp_path)
+    assert not shm.job_dir("livejob", tmp_path).exists()
+    with pytest.raises(ValueError):
+        shm.job_dir("../etc")
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
