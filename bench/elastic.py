@@ -7,7 +7,7 @@ in ``accumulate`` and ``grow`` mode. From the sample log (``sample_log: true``: 
 rank per committed step, with a timestamp) it reports steps/s and samples/s at full size and
 while shrunk, and from the events the shrink's and the grow's timings.
 
-    python bench/elastic.py --steps 200 --out bench/results/elastic.json
+    python bench/elastic.py --steps 200 --grow-steps 600 --out bench/results/elastic.json
 
 The reschedule wait uses the test override (UNDYING_TEST_WAIT_RESCHEDULE_S, default 2 s here)
 so the run stays short; with the production floor of 30 s only the idle wait grows.
@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--wait", type=float, default=2.0, help="reschedule wait (test override), seconds")
     parser.add_argument("--down", type=int, default=6, help="seconds node 1 stays away in the grow run")
+    parser.add_argument("--grow-steps", type=int, default=600,
+                        help="steps of the grow runs (long enough for the node to come back and rejoin)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     results = []
@@ -111,7 +113,8 @@ def main() -> None:
             if down is None and mode == "grow":
                 continue  # the fault-free run does not depend on the mode
             started = time.time()
-            record = measure(mode, down, args.steps, args.wait)
+            steps = args.grow_steps if down == args.down else args.steps
+            record = measure(mode, down, steps, args.wait)
             record["wall_seconds"] = round(time.time() - started, 1)
             print(json.dumps(record), flush=True)
             results.append(record)

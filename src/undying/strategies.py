@@ -71,6 +71,9 @@ class RecoveryContext:
     excluded: frozenset[str] = field(default_factory=frozenset)  # strategies that already failed for this fault
     world_size: int = 0  # ranks in the current generation (fewer than the spec's after an elastic shrink)
     lost_nodes: frozenset[int] = frozenset()  # nodes of lost ranks whose agent is gone
+    # Survivors still loading the job's state at the start of a generation hold no committed step
+    # a replica could be repaired from: only a job restart (from storage or T1) is correct then.
+    survivors_restoring: frozenset[int] = frozenset()
 
     def survivors(self) -> int:
         return (self.world_size or self.spec.world_size) - len(self.lost_ranks)
@@ -217,6 +220,9 @@ def decide(fault: Fault, context: RecoveryContext) -> Decision:
     for strategy in effective_chain(context.spec):
         if strategy.name in context.excluded:
             refusals.append(f"{strategy.name}: already failed")
+            continue
+        if strategy.name in (*PROCESS_LEVEL, DUMP) and context.survivors_restoring:
+            refusals.append(f"{strategy.name}: survivors {sorted(context.survivors_restoring)} still restoring")
             continue
         why_not = strategy.applies(fault, context)
         if why_not is None:

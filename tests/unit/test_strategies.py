@@ -333,3 +333,11 @@ def test_survivors_counts_the_ranks_not_lost():
 )
 def test_fault_descriptions(fault, text):
     assert fault.describe() == text
+
+
+def test_a_fault_while_survivors_still_restore_at_start_restarts_the_job():
+    """Survivors that have not finished loading the job's state hold no step to repair from."""
+    restoring = RecoveryContext(FULL, 0, BOTH_NODES, frozenset({1}), survivors_restoring=frozenset({0, 2, 3}))
+    decision = decide(KILLED, restoring)
+    assert decision.strategy == JOB_RESTART
+    assert decision.reason.startswith("retry: survivors [0, 2, 3] still restoring; recover-in-place: survivors")

@@ -26,7 +26,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,50 +84,37 @@ def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
     """
     tensors: list[torch.Tensor] = []
 
-    def walk(value: Any) -> Any:
+    def leaf(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             tensors.append(value.detach())
             return TensorRef(len(tensors) - 1)
-        if isinstance(value, dict):
-            copied = OrderedDict() if isinstance(value, OrderedDict) else {}
-            for key, item in value.items():
-                copied[key] = walk(item)
-            metadata = getattr(value, "_metadata", None)
-            if metadata is not None:
-                copied._metadata = metadata  # type: ignore[attr-defined]
-            return copied
-        if isinstance(value, list):
-            return [walk(item) for item in value]
-        if isinstance(value, tuple):
-            items = [walk(item) for item in value]
-            return type(value)._make(items) if hasattr(value, "_fields") else tuple(items)
         return value
 
-    return walk(state), tensors
+    return _map_leaves(state, leaf), tensors
 
 
 def unflatten_state(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
     """The inverse of ``flatten_state``: the skeleton with each ``TensorRef`` replaced by its tensor."""
+    return _map_leaves(skeleton, lambda value: tensors[value.index] if isinstance(value, TensorRef) else value)
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, TensorRef):
-            return tensors[value.index]
-        if isinstance(value, dict):
-            copied = OrderedDict() if isinstance(value, OrderedDict) else {}
-            for key, item in value.items():
-                copied[key] = walk(item)
-            metadata = getattr(value, "_metadata", None)
-            if metadata is not None:
-                copied._metadata = metadata  # type: ignore[attr-defined]
-            return copied
-        if isinstance(value, list):
-            return [walk(item) for item in value]
-        if isinstance(value, tuple):
-            items = [walk(item) for item in value]
-            return type(value)._make(items) if hasattr(value, "_fields") else tuple(items)
-        return value
 
-    return walk(skeleton)
+def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """A copy of the nested dicts (type and ``_metadata`` kept), lists and tuples (named ones too) in
+    ``value``, with ``leaf`` applied to every other value."""
+    if isinstance(value, dict):
+        copied = OrderedDict() if isinstance(value, OrderedDict) else {}
+        for key, item in value.items():
+            copied[key] = _map_leaves(item, leaf)
+        metadata = getattr(value, "_metadata", None)
+        if metadata is not None:
+            copied._metadata = metadata  # type: ignore[attr-defined]
+        return copied
+    if isinstance(value, list):
+        return [_map_leaves(item, leaf) for item in value]
+    if isinstance(value, tuple):
+        items = [_map_leaves(item, leaf) for item in value]
+        return type(value)._make(items) if hasattr(value, "_fields") else tuple(items)
+    return leaf(value)
 
 
 def copy_into(source: Any, live: Any) -> Any:

@@ -33,6 +33,7 @@ from undying.protocol import (
     ORDER_START,
     ORDER_STOP,
     PHASE_DONE,
+    PHASE_STARTING,
     PLAN_EXIT,
     PLAN_WAIT,
     WORKER_EXITED,
@@ -110,7 +111,7 @@ class RankRecord:
     last_logged: float = 0.0
     logged_step: int | None = None
     step: int = 0
-    phase: str = "starting"
+    phase: str = PHASE_STARTING
     last_progress: float | None = None  # when ``step`` last changed (the step-progress watchdog)
     hang_reported_step: int | None = None  # watchdog off/detect-only: the step a hang was logged at
     pid: int | None = None
@@ -502,11 +503,15 @@ class Controller:
     def _context(self, lost_ranks: set[int], excluded: frozenset[str] = frozenset(),
                  step: int | None = None) -> RecoveryContext:
         lost_nodes = {self.ranks[rank].node for rank in lost_ranks if rank in self.ranks}
+        restoring = {rank for rank, record in self.ranks.items()
+                     if rank not in lost_ranks and record.phase == PHASE_STARTING and record.spawn_generation
+                     == self.generation and self.generation not in self.plans}
         return RecoveryContext(self.spec, self.restart_count,
                                frozenset(n.node for n in self.nodes.values() if n.alive and not n.standby),
                                frozenset(lost_ranks), self.retries[step] if step is not None else 0, excluded,
                                world_size=len(self.members),
-                               lost_nodes=frozenset(node for node in lost_nodes if not self._node_alive(node)))
+                               lost_nodes=frozenset(node for node in lost_nodes if not self._node_alive(node)),
+                               survivors_restoring=frozenset(restoring))
 
     def _lost_ranks(self, fault: Fault) -> set[int]:
         lost = {record.rank for record in self.ranks.values() if record.exitcode not in (None, 0)}

@@ -276,11 +276,6 @@ class Runtime:
             if injection.kind != "raise" and injection.at == "step" and self._claim(injection, step):
                 fire(injection)
 
-    def _fire_raise_injections(self, step: int) -> None:
-        for injection in self.injections:
-            if injection.kind == "raise" and injection.at == "step" and self._claim(injection, step):
-                fire(injection)
-
     def _fire_point_injections(self, point: str, step: int) -> None:
         """Faults aimed at a recovery phase (``at=recovery``, ``at=dump``) rather than a training step."""
         for injection in self.injections:
@@ -289,7 +284,10 @@ class Runtime:
 
     def _fire_raise_injections_now(self) -> None:
         """Called by opt.step(): a ``raise`` injection fires inside the step body even unguarded."""
-        self._fire_raise_injections(self.committed_step)
+        step = self.committed_step
+        for injection in self.injections:
+            if injection.kind == "raise" and injection.at == "step" and self._claim(injection, step):
+                fire(injection)
 
     def _claim(self, injection: Injection, step: int) -> bool:
         if not injection.targets(self.rank, self.node, self.local_rank, step):

@@ -17,6 +17,7 @@ from typing import Any
 from undying.client import ControllerClient, ControllerUnreachable
 from undying.events import Event
 from undying.protocol import (
+    PHASE_STARTING,
     PLAN_WAIT,
     ROUTE_EVENT,
     ROUTE_INJECT_CLAIM,
@@ -43,7 +44,7 @@ class Reporter:
         self.generation = generation
         self.interval = interval
         self.step = 0
-        self.phase = "starting"
+        self.phase = PHASE_STARTING
         self.loss: float | None = None
         self.abort_generation = 0  # the newest generation the controller told us to abandon
         self._address = address
