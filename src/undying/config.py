@@ -75,8 +75,9 @@ def _on_off_from_bool(value: Any) -> Any:
 
 
 class CheckpointSpec(BaseModel):
-    """Where and how often workers save. ``dir=None`` means ``RUN_DIR/checkpoints``;
-    any local path or fsspec URL is accepted as-is (reachability is checked by the saver).
+    """Where and how often workers save. ``dir=None`` means ``RUN_DIR/checkpoints``; any local
+    or shared-filesystem path is accepted as-is (reachability is checked by the saver). URLs
+    (``s3://``, ``gs://``, other fsspec protocols) are refused: not supported in this version.
 
     ``interval``: steps between T2 checkpoints (persisted in the background).
     ``snapshot_interval``: steps between T1 snapshots into node shared memory (0: only at
@@ -93,6 +94,13 @@ class CheckpointSpec(BaseModel):
 
     _reject_bool_numbers = field_validator("interval", "keep", "snapshot_interval", "snapshot_slots",
                                            mode="before")(_reject_bool)
+
+    @field_validator("dir")
+    @classmethod
+    def _no_urls_yet(cls, value: str | None) -> str | None:
+        if value is not None and "://" in value:
+            raise _spec_rule("URLs are not supported in this version", "a local or shared-filesystem path", value)
+        return value
 
 
 class JobSpec(BaseModel):

@@ -224,6 +224,10 @@ def test_nested_checkpoint_errors_use_dotted_path() -> None:
     assert str(spec_error({"checkpoint.dir": 7})) == (
         "job spec: checkpoint.dir: not a string; allowed: a string, or null (got 7)"
     )
+    assert str(spec_error({"checkpoint.dir": "s3://bucket/ckpt"})) == (
+        "job spec: checkpoint.dir: URLs are not supported in this version; allowed: a local or "
+        "shared-filesystem path (got 's3://bucket/ckpt')"
+    )
     assert str(spec_error({"checkpoint": 5})) == (
         "job spec: checkpoint: not a mapping; allowed: a mapping with keys: dir, interval, keep, "
         "snapshot_interval, snapshot_slots (got 5)"
@@ -293,7 +297,7 @@ fault-scheduling: off
 watchdog: off
 wait-reschedule-timeout: 30
 checkpoint:
-  dir: s3://bucket/run
+  dir: /mnt/shared/run
   interval: 10
 compile_cache: /tmp/cache
 nnodes: 2
@@ -308,7 +312,7 @@ nproc_per_node: 4
     assert spec.fault_scheduling == "off"
     assert spec.watchdog == "off"
     assert spec.wait_reschedule_timeout == 30
-    assert spec.checkpoint == CheckpointSpec(dir="s3://bucket/run", interval=10, keep=2)
+    assert spec.checkpoint == CheckpointSpec(dir="/mnt/shared/run", interval=10, keep=2)
     assert spec.compile_cache == "/tmp/cache"
     assert spec.world_size == 8
 
