@@ -82,7 +82,8 @@ class CheckpointSpec(BaseModel):
     ``interval``: steps between T2 checkpoints (persisted in the background).
     ``snapshot_interval``: steps between T1 snapshots into node shared memory (0: only at
     T2 checkpoint steps). ``snapshot_slots``: T1 slots per rank, each the size of the rank's
-    state; with 2, snapshots pause while the persister holds one, with 3 they never do."""
+    state; with 2, while the persister holds one the other is rewritten each time (a torn write
+    falls back to the persisted step), with 3 a torn write falls back to the previous step."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

@@ -142,22 +142,35 @@ def test_snapshots_reuse_their_buffers(tmp_path: Path) -> None:
     assert_same(snapshots.read(104), state)
 
 
-def test_pinned_and_newest_slots_are_never_overwritten(tmp_path: Path) -> None:
-    snapshots = RankSnapshots(tmp_path, rank=0, slots=2)
-    state = {"weights": torch.zeros(4)}
+def test_pinned_slots_are_never_overwritten_and_the_newest_only_while_one_is_pinned(tmp_path: Path) -> None:
+    snapshots = RankSnapshots(tmp_path, rank=0, slots=3)
     for step in (1, 2):
         snapshots.write({"weights": torch.full((4,), float(step))}, step=step, generation=1, world_size=1)
-        snapshots.wait_reserved()  # the second slot is grown in the background after the first write
-    pinned = snapshots.pin(1)
-    # Slot of step 2 is the newest, slot of step 1 is pinned: nowhere to write, the snapshot is skipped.
-    assert snapshots.write(state, step=3, generation=1, world_size=1) is None
-    assert snapshots.skipped == 1
-    assert torch.equal(snapshots.read_slot(pinned, clone=False)["weights"], torch.ones(4))
-    snapshots.unpin(pinned)
-    assert snapshots.write(state, step=3, generation=1, world_size=1) is not None
-    assert [info.step for info in snapshots.committed()] == [3, 2]
-    snapshots.invalidate(keep_step=2)
-    assert [info.step for info in snapshots.committed()] == [2]
+        snapshots.wait_reserved()  # the other slots are grown in the background after the first write
+    # Nothing pinned: the newest (step 2) is kept, the empty slot is used, then the oldest.
+    snapshots.write({"weights": torch.full((4,), 3.0)}, step=3, generation=1, world_size=1)
+    assert [info.step for info in snapshots.committed()] == [3, 2, 1]
+    snapshots.write({"weights": torch.full((4,), 4.0)}, step=4, generation=1, world_size=1)
+    assert [info.step for info in snapshots.committed()] == [4, 3, 2]
+
+    two = RankSnapshots(tmp_path / "two", rank=0, slots=2)
+    for step in (1, 2):
+        two.write({"weights": torch.full((4,), float(step))}, step=step, generation=1, world_size=1)
+        two.wait_reserved()
+    pinned = two.pin(1)
+    # Step 1 is pinned (being persisted): the newest slot is overwritten step after step, so T1
+    # keeps up with training; step 1 stays intact to fall back on.
+    for step in (3, 4):
+        assert two.write({"weights": torch.full((4,), float(step))}, step=step, generation=1,
+                         world_size=1) is not None
+    assert [info.step for info in two.committed()] == [4, 1]
+    assert torch.equal(two.read_slot(pinned, clone=False)["weights"], torch.ones(4))
+    two.unpin(pinned)
+    # Unpinned again: the newest (4) is kept and the older slot (1) is reused.
+    assert two.write({"weights": torch.full((4,), 5.0)}, step=5, generation=1, world_size=1) is not None
+    assert [info.step for info in two.committed()] == [5, 4]
+    two.invalidate(keep_step=4)
+    assert [info.step for info in two.committed()] == [4]
 
 
 def test_other_slots_grow_in_the_background(tmp_path: Path) -> None:

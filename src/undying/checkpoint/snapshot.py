@@ -292,8 +292,9 @@ class RankSnapshots:
       slot's commit word is written after every byte of data and metadata, and a reader
       checks that word and the CRC-32 of header and metadata. A writer killed mid-copy
       leaves that slot EMPTY-or-WRITING, and the other slots still hold older snapshots.
-    - ``write`` never overwrites the newest snapshot nor a pinned one (the persister's);
-      when no other slot is free it skips the snapshot and returns None.
+    - ``write`` never overwrites a pinned snapshot (the persister's), nor the newest one unless
+      a pinned snapshot remains to fall back on; when no slot qualifies it skips the snapshot
+      and returns None.
     - Buffers are allocated when a slot first needs more room (the first snapshot, and the
       optimizer's state appearing after the first step) and reused for every later
       snapshot: a steady-state snapshot allocates nothing but the small skeleton, and its
@@ -396,8 +397,12 @@ class RankSnapshots:
 
     def _free_slot(self) -> _Slot | None:
         newest = self._newest()
+        # The newest snapshot may be overwritten only while a pinned one (complete, being persisted)
+        # remains: a torn write then falls back to it, and T1 keeps up with training meanwhile.
+        pinned_complete = any(self._pins[slot.index] and slot.info is not None for slot in self._slots)
         candidates = [slot for slot in self._slots
-                      if self._pins[slot.index] == 0 and slot is not newest and slot.index not in self._reserving]
+                      if self._pins[slot.index] == 0 and slot.index not in self._reserving
+                      and (slot is not newest or pinned_complete)]
         if not candidates:
             return None
         # An empty slot first, else the one holding the oldest snapshot.
