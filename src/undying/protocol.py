@@ -49,7 +49,6 @@ PHASE_COMPUTING = "computing"
 PHASE_SYNCING = "syncing"  # in the gradient all-reduce: waiting on peers, not stuck itself
 PHASE_UPDATING = "updating"
 PHASE_UPDATED = "updated"
-PHASE_CHECKPOINTING = "checkpointing"
 PHASE_DONE = "done"
 PHASE_RECOVERING = "recovering"
 

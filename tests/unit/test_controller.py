@@ -128,6 +128,16 @@ class Job:
         node = rank // self.spec.nproc_per_node
         self.controller.heartbeat(Heartbeat(rank, node, generation, step, phase, 2000 + rank))
 
+    def keep_beating(self, rank: int, step: int, seconds: float, poll_wait: float = 0.05,
+                     until: Callable[[], bool] = lambda: False) -> None:
+        """A rank alive but stuck: it beats at ``step`` (its node's agent polling meanwhile) for
+        ``seconds`` or until ``until()``."""
+        node = rank // self.spec.nproc_per_node
+        deadline = time.time() + seconds
+        while time.time() < deadline and not until():
+            self.beat(rank, step)
+            self.poll(node, 1, self.statuses(node, 1), wait=poll_wait)
+
     # ------------------------------------------------------------ observing
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
@@ -377,15 +387,9 @@ def test_a_live_rank_that_commits_no_step_is_a_step_stalled_fault(make_job):
     job.start_running()
     # The rank keeps beating (its heartbeat thread is alive) but its step never moves after step 7.
     job.beat(0, 6)
-    until = time.time() + 0.2
-    while time.time() < until:
-        job.beat(0, 7)
-        job.poll(0, 1, job.statuses(0, 1), wait=0.02)
+    job.keep_beating(0, 7, seconds=0.2, poll_wait=0.02)
     assert job.events(ev.FAULT_DETECTED) == []
-    deadline = time.time() + 3.0
-    while not job.events(ev.FAULT_DETECTED) and time.time() < deadline:
-        job.beat(0, 7)
-        job.poll(0, 1, job.statuses(0, 1), wait=0.05)
+    job.keep_beating(0, 7, seconds=3.0, until=lambda: bool(job.events(ev.FAULT_DETECTED)))
     [fault] = job.events(ev.FAULT_DETECTED)
     assert (fault.details["reason"], fault.rank, fault.step) == ("step_stalled", 0, 7)
     assert "committed no step within step_timeout" in fault.details["description"]
@@ -395,10 +399,7 @@ def test_step_stall_is_only_reported_with_watchdog_detect_only(make_job):
     job = make_job(nproc_per_node=1, heartbeat_timeout=5.0, step_timeout=0.2, watchdog="detect-only")
     job.start_running()
     job.beat(0, 2)
-    until = time.time() + 1.0
-    while time.time() < until:
-        job.beat(0, 3)
-        job.poll(0, 1, job.statuses(0, 1), wait=0.05)
+    job.keep_beating(0, 3, seconds=1.0)
     assert job.events(ev.FAULT_DETECTED) == []
     assert len(job.events(ev.HANG_SUSPECTED)) == 1
     assert job.controller.state is JobState.RUNNING

@@ -133,7 +133,7 @@ def test_persister_commits_in_the_background(tmp_path: Path) -> None:
     state = {"replica": replica_state(model, optimizer), "rank": {"rng": {"torch": torch.get_rng_state()},
                                                                   "statefuls": {}}}
     snapshots.write(state, step=3, generation=1, world_size=1)
-    persister = Persister(snapshots=snapshots, root=tmp_path / "ckpt", rank=0, world_size=1,
+    persister = Persister(snapshots=snapshots, root=tmp_path / "ckpt", rank=0,
                           store=torch.distributed.HashStore(), key_prefix="t", keep=2,
                           param_names=[optimizer_param_names(optimizer, [model])], rank_file="rank_00000.pt",
                           records_timeout=30, current_generation=lambda: 1)
@@ -162,7 +162,7 @@ def test_persister_killed_mid_write_leaves_nothing_listed(tmp_path: Path) -> Non
         snapshots = RankSnapshots(None, rank=0)
         snapshots.write({{"replica": replica_state(model, optimizer, 4), "rank": {{"rng": {{}}, "statefuls": {{}}}}}},
                         step=4, generation=1, world_size=1)
-        persister = Persister(snapshots=snapshots, root=root, rank=0, world_size=1,
+        persister = Persister(snapshots=snapshots, root=root, rank=0,
                               store=torch.distributed.HashStore(), key_prefix="t", keep=2,
                               param_names=[optimizer_param_names(optimizer, [model])], rank_file="rank_00000.pt",
                               records_timeout=30, current_generation=lambda: 1)

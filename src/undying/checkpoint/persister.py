@@ -74,14 +74,13 @@ class Persister:
     leave the staging directory for ``remove_stale_partials``.
     """
 
-    def __init__(self, *, snapshots: RankSnapshots, root: Path, rank: int, world_size: int,
+    def __init__(self, *, snapshots: RankSnapshots, root: Path, rank: int,
                  store: dist.Store, key_prefix: str, keep: int, param_names: list[list[str]],
                  rank_file: str, records_timeout: float, current_generation: Callable[[], int],
                  commit_meta: dict[str, object] | None = None) -> None:
         self.snapshots = snapshots
         self.root = root
         self.rank = rank
-        self.world_size = world_size
         self.store = store
         self.key_prefix = key_prefix
         self.keep = keep

@@ -250,7 +250,7 @@ def _canonical_json(body: dict[str, Any]) -> str:
 
 
 def _fsync_dir(path: Path) -> None:
-    """Make renames and creations inside ``path`` durable."""
+    """Make renames and creations inside ``path`` durable (on a file: its contents)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -374,21 +374,15 @@ def record_file(staging: Path, name: str) -> FileRecord:
     """The record of a file another writer (e.g. torch.distributed.checkpoint) put in ``staging``:
     synced to disk, its size and CRC-32 read back from what the file now holds."""
     path = _member_path(Path(staging), name)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_dir(path)
     _fsync_dir(Path(staging))
     return FileRecord(name=name, size=path.stat().st_size, checksum=_file_checksum(path))
 
 
 def verify_files(ckpt: CommittedCheckpoint, names: list[str]) -> None:
     """``verify`` restricted to ``names`` (which must be listed in the manifest)."""
-    subset = Manifest(step=ckpt.manifest.step, generation=ckpt.manifest.generation,
-                      world_size=ckpt.manifest.world_size, files=[ckpt.manifest.record(n) for n in names],
-                      meta=ckpt.manifest.meta, created=ckpt.manifest.created)
-    verify(CommittedCheckpoint(ckpt.path, subset))
+    for name in names:
+        _verify_record(ckpt.path, ckpt.manifest.record(name))
 
 
 def commit(
@@ -476,20 +470,24 @@ def list_committed(root: PathLike) -> list[CommittedCheckpoint]:
 def verify(ckpt: CommittedCheckpoint) -> None:
     """Check every listed file: inside the directory, present, right size, right checksum."""
     for record in ckpt.manifest.files:
-        path = _member_path(ckpt.path, record.name)
-        try:
-            if not path.is_file():
-                raise CorruptCheckpoint(f"{path}: missing")
-            size = path.stat().st_size
-            if size != record.size:
-                raise CorruptCheckpoint(f"{path}: size {size} != recorded {record.size}")
-            checksum = _file_checksum(path)
-        except FileNotFoundError as exc:
-            raise CorruptCheckpoint(f"{path}: missing") from exc
-        except OSError as exc:
-            raise CorruptCheckpoint(f"{path}: unreadable ({exc})") from exc
-        if checksum != record.checksum:
-            raise CorruptCheckpoint(f"{path}: checksum {checksum} != recorded {record.checksum}")
+        _verify_record(ckpt.path, record)
+
+
+def _verify_record(directory: Path, record: FileRecord) -> None:
+    path = _member_path(directory, record.name)
+    try:
+        if not path.is_file():
+            raise CorruptCheckpoint(f"{path}: missing")
+        size = path.stat().st_size
+        if size != record.size:
+            raise CorruptCheckpoint(f"{path}: size {size} != recorded {record.size}")
+        checksum = _file_checksum(path)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpoint(f"{path}: missing") from exc
+    except OSError as exc:
+        raise CorruptCheckpoint(f"{path}: unreadable ({exc})") from exc
+    if checksum != record.checksum:
+        raise CorruptCheckpoint(f"{path}: checksum {checksum} != recorded {record.checksum}")
 
 
 def load_object(ckpt: CommittedCheckpoint, name: str, map_location: str | torch.device = "cpu") -> Any:

@@ -32,6 +32,7 @@ from undying.protocol import (
     ORDER_REPLACE,
     ORDER_START,
     ORDER_STOP,
+    PHASE_COMPUTING,
     PHASE_DONE,
     PHASE_STARTING,
     PLAN_EXIT,
@@ -488,7 +489,7 @@ class Controller:
         timeout = self.spec.step_timeout
         # Only a rank still computing is stuck itself: its peers wait in the all-reduce ("syncing").
         return (timeout is not None and record.last_progress is not None
-                and record.phase == "computing" and now - record.last_progress > timeout)
+                and record.phase == PHASE_COMPUTING and now - record.last_progress > timeout)
 
     def _note_unacted_hang(self, record: RankRecord, fault: Fault) -> None:
         """watchdog off / detect-only: a hang is reported (once per stuck step), never acted on."""
@@ -506,8 +507,7 @@ class Controller:
         restoring = {rank for rank, record in self.ranks.items()
                      if rank not in lost_ranks and record.phase == PHASE_STARTING and record.spawn_generation
                      == self.generation and self.generation not in self.plans}
-        return RecoveryContext(self.spec, self.restart_count,
-                               frozenset(n.node for n in self.nodes.values() if n.alive and not n.standby),
+        return RecoveryContext(self.spec, self.restart_count, frozenset(self._alive_nodes()),
                                frozenset(lost_ranks), self.retries[step] if step is not None else 0, excluded,
                                world_size=len(self.members),
                                lost_nodes=frozenset(node for node in lost_nodes if not self._node_alive(node)),
@@ -645,7 +645,7 @@ class Controller:
                 self._begin_grow(pending, now)
             elif now > pending.deadline:
                 self.pending_grow = None
-                for node in {rank // self.spec.nproc_per_node for rank in pending.newcomers}:
+                for node in {self._node_of(rank) for rank in pending.newcomers}:
                     if node in self.nodes:  # this agent incarnation is not asked again
                         self._grow_refused.add((node, self.nodes[node].pid))
                 self.emit(ev.RECOVERY_FAILED, generation=self.generation,
@@ -654,12 +654,11 @@ class Controller:
                                    f"{sorted(pending.newcomers - pending.newcomers_ready)}"})
             return
         members = set(self.members)
-        returned = sorted(node.node for node in self.nodes.values()
-                          if node.alive and not node.standby and not set(self._ranks_of(node.node)) & members
-                          and (node.node, node.pid) not in self._grow_refused)
+        dropped = {node for node in range(self.spec.nnodes) if not set(self._ranks_of(node)) & members}
+        returned = sorted(node for node in dropped & self._alive_nodes()
+                          if (node, self.nodes[node].pid) not in self._grow_refused)
         if not returned:
             # A spare that joined since the shrink takes a dropped node's place (it says hello as it).
-            dropped = {node for node in range(self.spec.nnodes) if not set(self._ranks_of(node)) & members}
             self._adopt_spares_for(dropped)
             return
         if any(record.done for record in self.ranks.values()):
@@ -671,12 +670,7 @@ class Controller:
                                  deadline=now + self.spec.start_timeout)
         self.pending_grow = pending
         for node in returned:
-            ranks = self._ranks_of(node)
-            self.nodes[node].orders.append(Order(kind=ORDER_REPLACE, generation=pending.generation, ranks=ranks,
-                                                 world_size=self.spec.world_size, store_port=self.store_port,
-                                                 restart_count=self.restart_count))
-            self.emit(ev.REPLACE, node=node, generation=pending.generation, details={"ranks": ranks, "grow": True})
-        self._cond.notify_all()
+            self._order_replace(node, self._ranks_of(node), pending.generation, grow=True)
 
     def _begin_grow(self, pending: ActiveRecovery, now: float) -> None:
         """Every returned rank is up: end the running generation and regroup with them."""
@@ -685,7 +679,7 @@ class Controller:
         self.generation = pending.generation
         self.abort_generation = old_generation  # survivors leave at their next step boundary and check in
         for rank in sorted(pending.newcomers):
-            self.ranks[rank] = RankRecord(rank, rank // self.spec.nproc_per_node, pending.generation, now)
+            self.ranks[rank] = RankRecord(rank, self._node_of(rank), pending.generation, now)
         pending.deadline = now + self.spec.start_timeout + self.spec.comm_timeout
         self.recovery = pending
         self._transition(JobState.RECOVERING)
@@ -699,10 +693,14 @@ class Controller:
         """Order ``node``'s agent to restart ``ranks`` as replacements in the recovery's generation."""
         for rank in ranks:
             self.ranks[rank] = RankRecord(rank, node, self.generation, now)
-        self.nodes[node].orders.append(Order(kind=ORDER_REPLACE, generation=self.generation, ranks=ranks,
+        self._order_replace(node, ranks, self.generation)
+
+    def _order_replace(self, node: int, ranks: list[int], generation: int, **details: Any) -> None:
+        """Queue ``node``'s order to start ``ranks`` as newcomers of ``generation``."""
+        self.nodes[node].orders.append(Order(kind=ORDER_REPLACE, generation=generation, ranks=ranks,
                                              world_size=self.spec.world_size, store_port=self.store_port,
                                              restart_count=self.restart_count))
-        self.emit(ev.REPLACE, node=node, generation=self.generation, details={"ranks": ranks})
+        self.emit(ev.REPLACE, node=node, generation=generation, details={"ranks": ranks, **details})
         self._cond.notify_all()
 
     def _tick_recovery(self, now: float) -> None:
@@ -829,6 +827,9 @@ class Controller:
         per_node = self.spec.nproc_per_node
         return list(range(node * per_node, (node + 1) * per_node))
 
+    def _node_of(self, rank: int) -> int:
+        return rank // self.spec.nproc_per_node
+
     def _node_alive(self, node: int) -> bool:
         record = self.nodes.get(node)
         return record is not None and record.alive
@@ -844,9 +845,12 @@ class Controller:
                 node.orders.append(order)
         self._cond.notify_all()
 
+    def _alive_nodes(self) -> set[int]:
+        """Nodes whose agent is alive and serves ranks (spares excluded)."""
+        return {n.node for n in self.nodes.values() if n.alive and not n.standby}
+
     def _all_nodes_alive(self) -> bool:
-        alive = {n.node for n in self.nodes.values() if n.alive and not n.standby}
-        return alive == set(range(self.spec.nnodes))
+        return self._alive_nodes() == set(range(self.spec.nnodes))
 
     def _adopt_spares_for(self, nodes: set[int]) -> None:
         """Order an idle spare agent to take the place of each node in ``nodes`` that is not alive
@@ -873,8 +877,7 @@ class Controller:
         return all(node.exit_delivered or not node.alive for node in self.nodes.values())
 
     def _missing_nodes_message(self, phase: str) -> str:
-        missing = sorted(set(range(self.spec.nnodes)) - {n.node for n in self.nodes.values()
-                                                         if n.alive and not n.standby})
+        missing = sorted(set(range(self.spec.nnodes)) - self._alive_nodes())
         return f"node(s) {missing} did not join within node_return_timeout ({self.spec.node_return_timeout:g} s) at {phase}"
 
     def _committed_step(self) -> int:

@@ -41,7 +41,6 @@ from undying.protocol import (
     ENV_SPEC,
     ENV_STORE_PREFIX,
     ENV_TOKEN,
-    PHASE_CHECKPOINTING,
     PHASE_COMPUTING,
     PHASE_DONE,
     PHASE_RECOVERING,
@@ -421,18 +420,19 @@ class Runtime:
         """Give the models and loaders this rank's share of the step for the current members: the
         whole job's global batch is kept when there are fewer replicas (elastic training)."""
         slots = self.world_size
-        first_slot, slot_count = replica_slots(self.group_rank, self.replicas, slots)
         mode = self.spec.elastic_batch
+        shrunk = self.replicas < slots
+        _, slot_count = replica_slots(self.group_rank, self.replicas, slots)
         for loader in self.loaders:
-            if self.replicas == slots:
-                loader.reshard(self.rank, slots)
-            else:
+            if shrunk:
                 loader.set_replicas(self.group_rank, self.replicas, mode)
-        for model in self.models:
-            if self.replicas == slots:
-                model.set_replica_share(1, None)
             else:
+                loader.reshard(self.rank, slots)
+        for model in self.models:
+            if shrunk:
                 model.set_replica_share(slot_count if mode == "grow" else 1, slots)
+            else:
+                model.set_replica_share(1, None)
 
     def _log_samples(self, step: int) -> None:
         """Append the sample indices this rank used in committed ``step`` (``sample_log: true``)."""
@@ -536,13 +536,6 @@ class Runtime:
     def checkpoints(self) -> CheckpointEngine:
         """T1 snapshots and background T2 checkpoints of this worker (runtime/snapshots.py)."""
         return CheckpointEngine(self)
-
-    def save_checkpoint(self) -> None:
-        """Snapshot the committed step into node memory (the only stall) and persist it to
-        ``checkpoint_root`` in the background; the first member commits it once every rank's files are durable."""
-        self._set_phase(PHASE_CHECKPOINTING)
-        self.checkpoints.save(self.committed_step)
-        self._set_phase(PHASE_UPDATED)
 
     def _rank_state(self) -> dict[str, Any]:
         """This rank's own part of a snapshot, as of the last commit boundary."""

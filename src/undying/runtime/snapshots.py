@@ -183,7 +183,7 @@ class CheckpointEngine:
             store = rt.store if rt._store_address is None else connect_store(*rt._store_address,
                                                                                rt.spec.start_timeout)
             self._persister = Persister(
-                snapshots=self.snapshots, root=rt.checkpoint_root, rank=rt.rank, world_size=rt.world_size,
+                snapshots=self.snapshots, root=rt.checkpoint_root, rank=rt.rank,
                 store=store, key_prefix=rt.store_prefix, keep=self.spec.keep, param_names=self.param_names(),
                 rank_file=rank_state_file(rt.rank),
                 records_timeout=max(RECORDS_TIMEOUT_MIN_S, 2 * rt.spec.comm_timeout),
