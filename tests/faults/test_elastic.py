@@ -24,7 +24,7 @@ WORLD = 4
 # all-reduce, or one 8-sample matmul, instead of a 4-rank ring), so each step's gradient differs
 # in the last bits (~1e-7 relative); AdamW, which divides every coordinate's update by its own
 # running RMS, amplifies that over the steps. Measured (docs/elastic.md): loss <= 2e-6 relative
-# after 20 shrunk steps (accumulate); <= 9e-4 over 150 steps with a grow-back (grow), final
+# after 20 shrunk steps (accumulate); <= 9e-4 in a 150-step run with a grow-back (grow), final
 # parameters <= 0.025 apart after those 150 steps (lr 3e-3: a few steps' worth of updates).
 # The tests run 30 steps; the limits are those of the 150-step run with a 5x margin.
 # The gradient's scale is not visible through AdamW; tests/unit/test_elastic_gradients.py checks it.
