@@ -18,6 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/undying demo
 
 test: $(STAMP)
+	@scripts/ensure-etcd.sh
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)

@@ -129,3 +129,57 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     run = run_job(run_dir, script_args=["--final-state", str(run_dir / FINAL_STATE)])
     assert run.returncode == 0, run.output + run.logs()
     return run
+
+
+@dataclass
+class EtcdServer:
+    endpoint: str
+    process: subprocess.Popen
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory):
+    """A single-member etcd on loopback for controller-failover tests (Debian's etcd-server)."""
+    import shutil
+
+    from undying.controller.etcd import EtcdClient, EtcdUnavailable
+
+    binary = shutil.which("etcd")
+    if binary is None:
+        message = "etcd is not installed (make test installs Debian's etcd-server where it can)"
+        if os.environ.get("UNDYING_REQUIRE_ETCD") == "1":
+            raise AssertionError(message)
+        pytest.skip(message)
+    data = tmp_path_factory.mktemp("etcd")
+    client_port, peer_port = free_port(), free_port()
+    endpoint = f"127.0.0.1:{client_port}"
+    process = subprocess.Popen(
+        [binary, "--name", "undying-test", "--data-dir", str(data / "data"),
+         "--listen-client-urls", f"http://{endpoint}", "--advertise-client-urls", f"http://{endpoint}",
+         "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+         "--initial-cluster", f"undying-test=http://127.0.0.1:{peer_port}"],
+        stdout=open(data / "etcd.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115 - the child's
+    client = EtcdClient(endpoint)
+    deadline = time.time() + 30
+    while True:
+        try:
+            client.get("/health-probe")
+            break
+        except EtcdUnavailable:
+            if time.time() > deadline or process.poll() is not None:
+                process.kill()
+                raise AssertionError(f"etcd did not start: {(data / 'etcd.log').read_text()[-2000:]}") from None
+            time.sleep(0.2)
+    client.close()
+    yield EtcdServer(endpoint, process)
+    process.terminate()
+    process.wait(timeout=10)

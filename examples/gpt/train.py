@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--n-head", type=int, default=2)
     parser.add_argument("--n-embd", type=int, default=48)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="dropout rate (> 0 draws random numbers every step: tests of the RNG mirror)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--step-sleep", type=float, default=0.0,
@@ -51,6 +53,7 @@ def main() -> None:
         n_layer=args.n_layer,
         n_head=args.n_head,
         n_embd=args.n_embd,
+        dropout=args.dropout,
     )
     model = ft.wrap_model(GPT(config).to(ft.device))
     opt = ft.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from undying.client import ControllerClient, ControllerUnreachable, Unauthorized, parse_address
 from undying.config import JobSpec, spec_from_json
+from undying.controller.ha import locator_from_env
 from undying.procs import die_with_parent, signal_name, stop_processes
 from undying.protocol import (
     ENV_CONTROLLER,
@@ -82,12 +83,13 @@ class Agent:
         self.node = node
         self.spare = spare  # a standby node until it adopts a lost node's place
         self.spec = spec
-        self.controller_address = controller_address
         self.token = token
         self.run_dir = run_dir
         self.command = command
         self.injections_text = injections_text
-        self.client = ControllerClient(controller_address, token, timeout=10.0)
+        # A failover job's agent follows the controller to wherever etcd says it now runs.
+        self.locator = locator_from_env(os.environ)
+        self.client = ControllerClient(controller_address, token, timeout=10.0, locator=self.locator)
         self.job_id = ""
         self.generation = 0
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
@@ -98,6 +100,10 @@ class Agent:
         self.standby_target = spec.nproc_per_node if spare else 1
         self.standby_due: float | None = None  # when to pre-start the next warm standby
         self._stopping = False
+
+    @property
+    def controller_address(self) -> str:
+        return self.client.address
 
     # ------------------------------------------------------------------ main loop
 
@@ -296,7 +302,7 @@ class Agent:
         if self._stopping or self.workers.get(rank) is not process:
             return
         status = [s.to_dict() for s in self._statuses() if s.rank == rank]
-        client = ControllerClient(self.controller_address, self.token, timeout=5.0)
+        client = ControllerClient(self.controller_address, self.token, timeout=5.0, locator=self.locator)
         try:
             client.post(ROUTE_AGENT_REPORT, AgentPoll(self.node, self.generation, status, wait=0.0).to_dict())
         except (ControllerUnreachable, Unauthorized):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--controller-bind", default="127.0.0.1",
                         help="address the controller and its store listen on (default loopback only)")
     parser.add_argument("--token-file", help="file holding the job's secret token (multi-node)")
+    parser.add_argument("--etcd", metavar="HOST:PORT",
+                        help="controller failover: every node runs a controller candidate, the leader is "
+                             "elected by an etcd lease and keeps the job's state there (needs --job-name, "
+                             "--node-rank, --token-file)")
+    parser.add_argument("--job-name", help="with --etcd: the job's name, its key prefix in etcd (one per job)")
+    parser.add_argument("--lease-ttl", type=int, default=5,
+                        help="with --etcd: seconds a dead leader's lease lasts before another takes over "
+                             "(default 5, at least 2)")
     parser.add_argument("--recover-strategy", help="comma list: retry, recover-in-place, recover, "
                         "elastic-training, dump, exit")
     parser.add_argument("--checkpoint-dir", help="checkpoint directory (default RUN_DIR/checkpoints)")
@@ -162,13 +171,22 @@ def command_run(args: argparse.Namespace) -> int:
         fail(f"--node-rank: allowed 0..{spec.nnodes - 1} (got {args.node_rank})")
     if args.node_rank is not None and spec.nnodes > 1 and not args.token_file:
         fail("--token-file is required for a multi-node job (every node must hold the same secret)")
-    if args.node_rank is not None and args.node_rank > 0 and not args.controller:
+    if args.etcd is not None:
+        if args.node_rank is None or not args.job_name or not args.token_file:
+            fail("--etcd: controller failover needs --node-rank, --job-name and --token-file on every node")
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", args.job_name):
+            fail(f"--job-name: allowed 1-64 letters, digits, '.', '_' or '-' (got {args.job_name!r})")
+        if args.lease_ttl < 2:
+            fail(f"--lease-ttl: allowed 2 s or more (got {args.lease_ttl})")
+        if not re.fullmatch(r"\[?[^\s/]+\]?:\d{1,5}", args.etcd):
+            fail(f"--etcd: allowed HOST:PORT (got {args.etcd!r})")
+    elif args.node_rank is not None and args.node_rank > 0 and not args.controller:
         fail("--controller HOST:PORT is required on nodes other than 0")
     options = LaunchOptions(
         spec=spec, command=worker_command(args), run_dir=Path(args.run_dir) if args.run_dir else default_run_dir(),
         node_rank=args.node_rank, controller_address=args.controller, controller_bind=args.controller_bind,
         token=read_token(args.token_file), injections_text=encode(injections), quiet=args.quiet,
-        standby_agents=args.standby)
+        standby_agents=args.standby, etcd=args.etcd, job_name=args.job_name, lease_ttl=args.lease_ttl)
     return launch(options)
 
 

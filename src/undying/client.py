@@ -1,13 +1,16 @@
 """HTTP client for the controller's endpoint, used by agents, workers and the CLI.
 
 Every request carries the job token; connection errors surface as
-``ControllerUnreachable`` so callers decide whether to retry or give up.
+``ControllerUnreachable`` so callers decide whether to retry or give up. In a failover
+job (``--etcd``) a client has a locator: when the controller does not answer, it looks
+up the current leader's address in etcd and, if it moved, sends the request there.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+from collections.abc import Callable
 from typing import Any
 
 from undying.protocol import PROTOCOL_VERSION, TOKEN_HEADER, TOKEN_SCHEME, VERSION_HEADER
@@ -32,12 +35,24 @@ def parse_address(address: str) -> tuple[str, int]:
 class ControllerClient:
     """Talks JSON to one controller. Not thread-safe: give each thread its own."""
 
-    def __init__(self, address: str, token: str, timeout: float = 10.0) -> None:
+    def __init__(self, address: str, token: str, timeout: float = 10.0,
+                 locator: Callable[[], str | None] | None = None) -> None:
         self.host, self.port = parse_address(address)
         self.address = address
         self.token = token
         self.timeout = timeout
+        self.locator = locator  # finds the current controller after a failover (None: fixed address)
         self._conn: http.client.HTTPConnection | None = None
+
+    def _relocate(self) -> bool:
+        """Follow the controller to its new address; True if it moved."""
+        address = self.locator() if self.locator is not None else None
+        if not address or address == self.address:
+            return False
+        self.close()
+        self.host, self.port = parse_address(address)
+        self.address = address
+        return True
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         if self._conn is None:
@@ -61,7 +76,8 @@ class ControllerClient:
             "Content-Type": "application/json",
         }
         wait = self.timeout if timeout is None else timeout
-        for attempt in (0, 1):
+        attempt = 0
+        while True:
             conn = self._connection(wait)
             try:
                 conn.request(method, path, body=body, headers=headers)
@@ -70,8 +86,10 @@ class ControllerClient:
                 break
             except (OSError, http.client.HTTPException) as error:
                 self.close()
-                # A kept-alive connection the server closed fails once; a second failure is real.
-                if attempt == 1:
+                attempt += 1
+                # A kept-alive connection the server closed fails once; a second failure is real,
+                # unless the controller moved (failover), which gives the request two more tries.
+                if attempt >= 2 and not (attempt < 4 and self._relocate()):
                     raise ControllerUnreachable(f"controller {self.address}: {error}") from error
         if response.status == 401:
             raise Unauthorized(f"controller {self.address} refused the job token")

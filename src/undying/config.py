@@ -75,9 +75,10 @@ def _on_off_from_bool(value: Any) -> Any:
 
 
 class CheckpointSpec(BaseModel):
-    """Where and how often workers save. ``dir=None`` means ``RUN_DIR/checkpoints``; any local
-    or shared-filesystem path is accepted as-is (reachability is checked by the saver). URLs
-    (``s3://``, ``gs://``, other fsspec protocols) are refused: not supported in this version.
+    """Where and how often workers save. ``dir=None`` means ``RUN_DIR/checkpoints``; ``dir`` is a
+    local or shared-filesystem path, or an fsspec URL (``s3://``, ``gs://``, ``file://``, chained
+    ``simplecache::s3://``, ...) whose protocols fsspec knows; neither is reached here (the
+    saver finds out whether it can write, and whether the protocol's package is installed).
 
     ``interval``: steps between T2 checkpoints (persisted in the background).
     ``snapshot_interval``: steps between T1 snapshots into node shared memory (0: only at
@@ -98,9 +99,19 @@ class CheckpointSpec(BaseModel):
 
     @field_validator("dir")
     @classmethod
-    def _no_urls_yet(cls, value: str | None) -> str | None:
-        if value is not None and "://" in value:
-            raise _spec_rule("URLs are not supported in this version", "a local or shared-filesystem path", value)
+    def _known_url_protocols(cls, value: str | None) -> str | None:
+        if value is None or "://" not in value:
+            return value
+        import fsspec  # only for URLs; a dependency of torch
+
+        available = fsspec.available_protocols()
+        # A chained URL ("simplecache::s3://bucket/ckpt") names one protocol per link.
+        protocols = [link.split("://", 1)[0] for link in value.split("::")]
+        unknown = [protocol for protocol in protocols if protocol not in available]
+        if unknown:
+            raise _spec_rule(f"unknown fsspec protocol {unknown[0]!r}",
+                             f"a local path, or a URL of a protocol fsspec knows: {', '.join(sorted(available))}",
+                             value)
         return value
 
 

@@ -48,6 +48,9 @@ class LaunchOptions:
     standby_agents: int = 0  # simulated spare nodes (local); remote: this agent is a spare
     quiet: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
+    etcd: str | None = None  # host:port: controller failover (every node a candidate; ha_node.py)
+    job_name: str | None = None  # the job's key prefix in etcd
+    lease_ttl: int = 5  # seconds a dead leader keeps its lease (how long a failover waits)
 
 
 class LocalAgents:
@@ -180,8 +183,28 @@ def print_event(event: Event) -> None:
         print(f"[undying {stamp}] {where}: {text()}", file=sys.stderr, flush=True)
 
 
+def emit_job_start(controller: Controller, options: LaunchOptions, address: str, store_port: int,
+                   job_id: str) -> None:
+    spec = options.spec
+    chain = [strategy.name for strategy in effective_chain(spec)]
+    controller.emit(ev.JOB_START, details={
+        "nnodes": spec.nnodes, "nproc_per_node": spec.nproc_per_node, "world_size": spec.world_size,
+        "strategies": list(spec.recover_strategy), "effective_strategy": chain,
+        "unbuilt_strategies": unbuilt_strategies(spec), "max_restarts": spec.max_restarts,
+        "controller": address, "store_port": store_port, "command": options.command,
+        "job_id": job_id, "pid": os.getpid(), "failover": options.etcd is not None})
+    if not options.quiet:
+        print(f"[undying] job {job_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} worker(s), "
+              f"controller {address}, run dir {options.run_dir}", file=sys.stderr)
+        print(f"[undying] {describe_chain(spec)}; max_restarts {spec.max_restarts}", file=sys.stderr, flush=True)
+
+
 def launch(options: LaunchOptions) -> int:
     """Run a whole job (or this node's part of it); returns the exit code for the CLI."""
+    if options.etcd:
+        from undying.ha_node import run_ha_node
+
+        return run_ha_node(options)
     if options.node_rank is not None and options.node_rank > 0:
         return _run_remote_agent(options)
     options.run_dir.mkdir(parents=True, exist_ok=True)
@@ -208,17 +231,7 @@ def launch(options: LaunchOptions) -> int:
     agents.controller = controller
     agents.job_id = job_id
     agents_holder.append(agents)
-    chain = [strategy.name for strategy in effective_chain(spec)]
-    controller.emit(ev.JOB_START, details={
-        "nnodes": spec.nnodes, "nproc_per_node": spec.nproc_per_node, "world_size": spec.world_size,
-        "strategies": list(spec.recover_strategy), "effective_strategy": chain,
-        "unbuilt_strategies": unbuilt_strategies(spec), "max_restarts": spec.max_restarts,
-        "controller": server.address, "store_port": store.port, "command": options.command,
-        "job_id": job_id, "pid": os.getpid()})
-    if not options.quiet:
-        print(f"[undying] job {job_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} worker(s), "
-              f"controller {server.address}, run dir {options.run_dir}", file=sys.stderr)
-        print(f"[undying] {describe_chain(spec)}; max_restarts {spec.max_restarts}", file=sys.stderr, flush=True)
+    emit_job_start(controller, options, server.address, store.port, job_id)
 
     def on_signal(signum: int, frame: object) -> None:
         controller.cancel(f"received {signal.Signals(signum).name}")

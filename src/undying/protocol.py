@@ -137,6 +137,7 @@ class Order(Message):
 class HeartbeatReply(Message):
     ok: bool = True
     abort_generation: int = 0  # the controller gave up on this generation: leave its collectives
+    mirror_store: str = ""  # failover jobs: a second store (another node's) that also keeps the RNG mirror
 
 
 @dataclass
@@ -168,6 +169,10 @@ class Plan(Message):
     # The ranks of the new generation, in process-group order; empty means every rank of world_size.
     # Fewer than world_size after an elastic shrink: a rank's place in the group is its index here.
     members: list[int] = field(default_factory=list)
+    # host:port of the store the new generation meets in; it changes when the controller fails over.
+    store: str = ""
+    # Other stores that may hold the RNG mirror of target_step (the backup store of a failed-over controller).
+    rng_stores: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The checkpoint engine with real processes and real faults: a persister killed mid-write never
-leaves a checkpoint anyone lists or loads, a checkpoint reshards across world sizes with every
-sample used exactly once, and no job leaves shared memory behind. The restart from node memory
+leaves a checkpoint anyone lists or loads (on a local directory and behind an fsspec URL), a
+checkpoint reshards across world sizes with every sample used exactly once, and no job leaves
+shared memory behind. The restart from node memory
 (T1) after a SIGKILLed worker is tested in tests/faults/test_job_restart.py."""
 
 from __future__ import annotations
@@ -40,6 +41,30 @@ def test_persister_killed_mid_write_leaves_no_checkpoint(reference_run: JobRun, 
     committed = {ckpt.step: ckpt.manifest.generation for ckpt in list_committed(tmp_path / "checkpoints")}
     assert committed == {20: 2, 30: 2}, committed  # step 20 exists only as re-written after the restart
     assert not list((tmp_path / "checkpoints").glob("*.partial"))
+    assert_no_shared_memory_left(run)
+
+
+def test_url_checkpoint_dir_survives_a_persister_killed_mid_write(reference_run: JobRun, tmp_path: Path) -> None:
+    """The same fault with ``checkpoint.dir`` a ``file://`` URL, which takes the fsspec path that object
+    stores take (no staging rename: files written in place, the manifest last). Node 0 dies with its
+    memory (T1) while persisting step 20, so the restart must come from storage: step 10."""
+    root = f"file://{tmp_path}/ckpt"
+    run = run_job(tmp_path / "run", ["--checkpoint-dir", root, "--inject", "node:node=0:step=20:at=persist"])
+    assert run.returncode == 0, run.output + run.logs()
+    loads = [event for event in run.kinds(ev.CHECKPOINT_LOAD) if event.rank == 0]
+    assert [(event.step, event.details["source"], event.details["path"]) for event in loads] == [
+        (10, "storage", f"{root}/step_000000010.g1")]
+    saves = [(event.step, event.details["path"]) for event in run.kinds(ev.CHECKPOINT_SAVE)]
+    assert saves == [(10, f"{root}/step_000000010.g1"), (20, f"{root}/step_000000020.g2"),
+                     (30, f"{root}/step_000000030.g2")]
+    assert run.result["param_sha256"] == reference_run.result["param_sha256"]
+    assert {ckpt.step: ckpt.path for ckpt in list_committed(root)} == {
+        20: f"{root}/step_000000020.g2", 30: f"{root}/step_000000030.g2"}
+    # The killed write (step 20 of generation 1, no manifest) was removed at the restart; step 10 was
+    # pruned (keep: 2) after step 30 was committed.
+    left = {path.name: sorted(file.name for file in path.iterdir()) for path in (tmp_path / "ckpt").iterdir()}
+    assert left == {name: [".metadata", "MANIFEST.json", "__0_0.distcp"] + [f"rank_{r:05d}.pt" for r in range(4)]
+                    for name in ("step_000000020.g2", "step_000000030.g2")}, left
     assert_no_shared_memory_left(run)
 
 

@@ -1,15 +1,19 @@
-"""T2 checkpoint storage: round trips, atomic commit, and refusal of corrupt checkpoints."""
+"""T2 checkpoint storage: round trips, atomic commit, and refusal of corrupt checkpoints, under a local
+root and under an fsspec URL root."""
 
 from __future__ import annotations
 
 import json
 import random
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from fsspec.core import url_to_fs
 
 from undying.checkpoint import (
     MANIFEST_NAME,
@@ -19,11 +23,14 @@ from undying.checkpoint import (
     Manifest,
     checkpoint_dirname,
     commit,
+    is_url,
     latest_verified,
     list_committed,
     load_object,
+    make_root,
     prune,
     remove_stale_partials,
+    root_location,
     save_object,
     staging_dir,
     verify,
@@ -401,3 +408,220 @@ def test_remove_stale_partials(tmp_path: Path) -> None:
     assert current.is_dir() and (tmp_path / "unrelated").is_dir()
     assert [ckpt.step for ckpt in list_committed(tmp_path)] == [10]
     assert remove_stale_partials(tmp_path / "missing", 0) == []
+
+
+# ------------------------------------------------------------- URL roots (fsspec)
+# The same protocol behind an fsspec URL, on fsspec's in-process memory:// filesystem: no rename,
+# each generation writes step_<N>.g<G>/ in place, and the manifest (written last) is the commit.
+
+
+@pytest.fixture
+def url_root() -> Iterator[str]:
+    root = f"memory://undying-test-{uuid.uuid4().hex}/ckpt"
+    yield root
+    fs, path = url_to_fs(root)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def url_fs(url: str) -> tuple[Any, str]:
+    return url_to_fs(url)
+
+
+def url_files(root: str) -> list[str]:
+    """Every object under ``root``, relative to it."""
+    fs, path = url_fs(root)
+    return sorted(name[len(path) + 1:] for name in fs.find(path))
+
+
+def flip_url_byte(url: str, offset: int) -> None:
+    fs, path = url_fs(url)
+    data = bytearray(fs.cat_file(path))
+    data[offset] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
+
+
+def test_is_url_and_root_location() -> None:
+    assert is_url("s3://bucket/ckpt") and is_url("file:///tmp/ckpt") and is_url("memory://x")
+    assert not is_url("/tmp/ckpt") and not is_url("runs/x") and not is_url(Path("/tmp/ckpt"))
+    assert root_location("file:///tmp/ckpt") == "file:///tmp/ckpt"
+    assert root_location("/tmp/ckpt") == Path("/tmp/ckpt")
+
+
+def test_url_round_trip_commits_in_place(url_root: str) -> None:
+    staging = staging_dir(url_root, 5, generation=1)
+    assert staging == f"{url_root}/step_000000005.g1"
+    record = save_object(staging, "rank_0.pt", {"weights": torch.arange(6.0), "position": 12})
+    assert url_files(url_root) == ["step_000000005.g1/rank_0.pt"]
+    ckpt = commit(url_root, staging, step=5, generation=1, world_size=1, files=[record], meta={"lr": 0.1})
+
+    assert ckpt.path == staging  # nothing renamed: the manifest made the directory a checkpoint
+    assert url_files(url_root) == ["step_000000005.g1/MANIFEST.json", "step_000000005.g1/rank_0.pt"]
+    [listed] = list_committed(url_root)
+    assert listed.path == staging and listed.manifest == ckpt.manifest and listed.manifest.meta == {"lr": 0.1}
+    verified = latest_verified(url_root)
+    assert verified is not None
+    verify(verified)
+    loaded = load_object(verified, "rank_0.pt")
+    assert torch.equal(loaded["weights"], torch.arange(6.0)) and loaded["position"] == 12
+
+
+def test_url_step_without_manifest_is_not_listed(url_root: str) -> None:
+    """A persister killed before the manifest: its files stay, nobody lists, loads or reports them,
+    and the next generation's cleanup removes them."""
+    write_checkpoint(url_root, 10, generation=1)
+    killed = staging_dir(url_root, 20, generation=1)
+    save_object(killed, rank_file(0), {"x": 1})
+    live = staging_dir(url_root, 30, generation=2)  # the current generation's write in progress
+    save_object(live, rank_file(0), {"x": 2})
+
+    assert [ckpt.step for ckpt in list_committed(url_root)] == [10]
+    log = CorruptLog()
+    assert latest_verified(url_root, on_corrupt=log).step == 10
+    assert log.calls == []
+    assert remove_stale_partials(url_root, current_generation=2) == [killed]
+    assert url_files(url_root) == sorted(["step_000000010.g1/MANIFEST.json", "step_000000010.g1/rank_0.pt",
+                                          "step_000000010.g1/rank_1.pt", "step_000000030.g2/rank_0.pt"])
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_url_corrupt_file_falls_back_to_previous(url_root: str, damage: str) -> None:
+    previous = write_checkpoint(url_root, 10)
+    newest = write_checkpoint(url_root, 20)
+    fs, path = url_fs(f"{newest.path}/{rank_file(1)}")
+    if damage == "flip":
+        flip_url_byte(f"{newest.path}/{rank_file(1)}", 100)
+    elif damage == "truncate":
+        fs.pipe_file(path, fs.cat_file(path)[:-1])
+    else:
+        fs.rm_file(path)
+
+    log = CorruptLog()
+    ckpt = latest_verified(url_root, on_corrupt=log)
+    assert ckpt is not None and ckpt.path == previous.path
+    [(where, reason)] = log.calls
+    assert where == newest.path and rank_file(1) in reason
+    assert {"flip": "checksum", "truncate": "size", "delete": "missing"}[damage] in reason
+    assert load_object(ckpt, rank_file(1))["step"] == 10
+
+
+def test_url_load_object_never_unpickles_corrupt_bytes(url_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = write_checkpoint(url_root, 10)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load called on unverified bytes"))
+    flip_url_byte(f"{ckpt.path}/{rank_file(0)}", 100)
+    with pytest.raises(CorruptCheckpoint, match="checksum"):
+        load_object(ckpt, rank_file(0))
+
+
+def test_url_edited_or_misplaced_manifest_is_rejected(url_root: str) -> None:
+    write_checkpoint(url_root, 10, generation=1)
+    edited = write_checkpoint(url_root, 20, generation=1)
+    fs, manifest_path = url_fs(f"{edited.path}/{MANIFEST_NAME}")
+    text = json.loads(fs.cat_file(manifest_path))
+    text["world_size"] = 1  # valid JSON, wrong checksum
+    fs.pipe_file(manifest_path, json.dumps(text).encode())
+    # A valid manifest copied into the directory of another step is not that step's checkpoint.
+    moved = staging_dir(url_root, 30, generation=1)
+    fs.pipe_file(url_fs(f"{moved}/{MANIFEST_NAME}")[1], fs.cat_file(url_fs(f"{url_root}/step_000000010.g1/"
+                                                                            f"{MANIFEST_NAME}")[1]))
+    log = CorruptLog()
+    assert latest_verified(url_root, on_corrupt=log).step == 10
+    assert log.calls == [(moved, log.calls[0][1]), (edited.path, log.calls[1][1])]
+    assert "step 10, generation 1 do not match directory step_000000030.g1" in log.calls[0][1]
+    assert "manifest checksum mismatch" in log.calls[1][1]
+
+
+def test_url_recommit_of_same_step_replaces_the_older_generation(url_root: str) -> None:
+    write_checkpoint(url_root, 10, generation=0)
+    staging = staging_dir(url_root, 10, generation=1)
+    record = save_object(staging, "only.pt", {"new": True})
+    commit(url_root, staging, step=10, generation=1, world_size=1, files=[record])
+    [ckpt] = list_committed(url_root)
+    assert ckpt.manifest.generation == 1 and load_object(latest_verified(url_root), "only.pt") == {"new": True}
+    assert url_files(url_root) == ["step_000000010.g1/MANIFEST.json", "step_000000010.g1/only.pt"]
+
+
+def test_url_a_step_committed_by_two_generations_counts_once(url_root: str) -> None:
+    """A commit interrupted before it deleted the older generation's copy: the newer one counts, and
+    the cleanup removes the older."""
+    older = write_checkpoint(url_root, 10, generation=0)
+    newer = write_checkpoint(url_root, 10, generation=1)
+    fs, path = url_fs(url_root)
+    # Put the older copy back as the interrupted commit would have left it.
+    assert not fs.exists(url_fs(older.path)[1])
+    staging = staging_dir(url_root, 10, generation=0)
+    records = [save_object(staging, rank_file(rank), {"old": rank}) for rank in range(WORLD_SIZE)]
+    fs.pipe_file(url_fs(f"{staging}/{MANIFEST_NAME}")[1], Manifest(
+        step=10, generation=0, world_size=WORLD_SIZE, files=records, meta={}, created=0.0).to_json().encode())
+
+    assert [c.path for c in list_committed(url_root)] == [newer.path]
+    assert latest_verified(url_root).path == newer.path
+    assert remove_stale_partials(url_root, current_generation=1) == [older.path]
+    assert [c.path for c in list_committed(url_root)] == [newer.path]
+
+
+def test_url_commit_with_missing_file_commits_nothing(url_root: str) -> None:
+    write_checkpoint(url_root, 10)
+    staging = staging_dir(url_root, 20, generation=0)
+    record = save_object(staging, rank_file(0), {"x": 1})
+    with pytest.raises(CorruptCheckpoint, match="missing at commit"):
+        commit(url_root, staging, step=20, generation=0, world_size=2, keep=1,
+               files=[record, FileRecord(rank_file(1), 10, "crc32:00000000")])
+    assert [ckpt.step for ckpt in list_committed(url_root)] == [10]  # nothing pruned either
+    with pytest.raises(ValueError, match="not the directory of step 20, generation 1"):
+        commit(url_root, staging, step=20, generation=1, world_size=1, files=[record])
+
+
+def test_url_prune_deletes_only_after_the_commit_and_the_manifest_first(
+        url_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = write_checkpoint(url_root, 10)
+    fs, _ = url_fs(url_root)
+    calls: list[tuple[str, str]] = []
+    for method in ("pipe_file", "rm_file", "rm"):
+        original = getattr(fs, method)
+
+        def spy(path: str, *args: Any, _method: str = method, _original: Any = original, **kwargs: Any) -> Any:
+            calls.append((_method, path.rsplit("/ckpt/", 1)[-1]))
+            return _original(path, *args, **kwargs)
+
+        monkeypatch.setattr(fs, method, spy)
+    write_checkpoint(url_root, 20, keep=1)
+
+    assert calls[:4] == [
+        ("pipe_file", "step_000000020.g0/rank_0.pt"),
+        ("pipe_file", "step_000000020.g0/rank_1.pt"),
+        ("pipe_file", "step_000000020.g0/MANIFEST.json"),  # the commit ...
+        ("rm_file", "step_000000010.g0/MANIFEST.json"),  # ... then the prune: no longer a checkpoint
+    ]
+    assert calls[4] == ("rm", "step_000000010.g0")  # ... then its files (rm may call rm_file per file)
+    assert all(path.startswith("step_000000010.g0/") for _, path in calls[5:])
+    assert [c.step for c in list_committed(url_root)] == [20]
+    assert not fs.exists(url_fs(first.path)[1])
+
+
+def test_url_prune_keeps_the_newest(url_root: str) -> None:
+    for step in (10, 20, 30, 40):
+        write_checkpoint(url_root, step)
+    live = staging_dir(url_root, 50, generation=0)
+    save_object(live, rank_file(0), 1)
+    removed = prune(url_root, keep=2)
+    assert removed == [f"{url_root}/step_000000020.g0", f"{url_root}/step_000000010.g0"]
+    assert [ckpt.step for ckpt in list_committed(url_root)] == [40, 30]
+    assert f"step_000000050.g0/{rank_file(0)}" in url_files(url_root)
+
+
+def test_url_empty_or_missing_root_has_no_checkpoint(url_root: str) -> None:
+    assert list_committed(url_root) == [] and latest_verified(url_root) is None
+    assert remove_stale_partials(url_root, 0) == []
+    make_root(url_root)
+    assert list_committed(url_root) == []
+
+
+def test_file_url_takes_the_url_protocol(tmp_path: Path) -> None:
+    """A file:// URL is a URL like any other: written in place, committed by the manifest."""
+    root = f"file://{tmp_path}/ckpt"
+    write_checkpoint(root, 10, generation=3)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000000010.g3"]
+    ckpt = latest_verified(root)
+    assert ckpt is not None and ckpt.path == f"{root}/step_000000010.g3"
+    assert load_object(ckpt, rank_file(1))["rank"] == 1

@@ -1,5 +1,6 @@
-"""T2 format: the shared shard is a DCP checkpoint plain torch can load; checksums guard it; the
-persister commits only complete checkpoints, even when it is SIGKILLed mid-write."""
+"""T2 format: the shared shard is a DCP checkpoint plain torch can load (from a local directory or
+an fsspec URL); checksums guard it; the persister commits only complete checkpoints, even when it
+is SIGKILLed mid-write."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import signal
 import subprocess
 import sys
 import textwrap
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from fsspec.core import url_to_fs
 
 from undying.checkpoint import (
     CorruptCheckpoint,
+    Location,
     commit,
     latest_verified,
     list_committed,
@@ -48,7 +53,7 @@ def replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step
             "loaders": [{"epoch": 0, "position": 12, "seed": 0, "dataset_len": 64}], "statefuls": {}}
 
 
-def write_checkpoint(root: Path, step: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer, Path]:
+def write_checkpoint(root: Location, step: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer, Location]:
     model, optimizer = trained()
     staging = staging_dir(root, step, 1)
     records = write_shared_shard(staging, replica_state(model, optimizer, step),
@@ -74,9 +79,22 @@ def test_shared_shard_round_trip(tmp_path: Path) -> None:
             assert torch.equal(actual["state"][param_id][key], value)
 
 
-def test_plain_torch_loads_the_checkpoint_without_undying(tmp_path: Path) -> None:
-    """What docs/checkpoints.md tells a user to do, in a process that cannot import undying."""
-    model, optimizer, path = write_checkpoint(tmp_path / "ckpt")
+@pytest.fixture
+def url_root() -> Iterator[str]:
+    root = f"memory://undying-test-{uuid.uuid4().hex}/ckpt"
+    yield root
+    fs, path = url_to_fs(root)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+@pytest.mark.parametrize("location", ["path", "file-url"])
+def test_plain_torch_loads_the_checkpoint_without_undying(tmp_path: Path, location: str) -> None:
+    """What docs/checkpoints.md tells a user to do, in a process that cannot import undying: with the
+    directory's path, or (checkpoint.dir a URL) with its URL, which DCP reads through fsspec."""
+    root = tmp_path / "ckpt" if location == "path" else f"file://{tmp_path}/ckpt"
+    model, optimizer, path = write_checkpoint(root)
+    assert isinstance(path, Path if location == "path" else str)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "expected.pt")
     script = textwrap.dedent(f"""
         import sys
@@ -127,13 +145,37 @@ def test_checksum_mismatch_is_detected(tmp_path: Path) -> None:
     assert skipped and "__0_0.distcp" in skipped[0]
 
 
-def test_persister_commits_in_the_background(tmp_path: Path) -> None:
+def test_url_shared_shard_round_trip_and_checksums(url_root: str) -> None:
+    """The shard under a URL root: written with DCP's fsspec writer, listed in the manifest,
+    verified before it is read, and a flipped byte falls back to the previous checkpoint."""
+    _, _, previous = write_checkpoint(url_root, step=3)
+    model, _, path = write_checkpoint(url_root, step=6)
+    assert path == f"{url_root}/step_000000006.g1"
+    [newest, _] = list_committed(url_root)
+    assert sorted(record.name for record in newest.manifest.files) == [".metadata", "__0_0.distcp"]
+    loaded = read_shared_shard(newest)
+    assert loaded["committed_step"] == 6
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded["models"][0][name], tensor)
+
+    fs, data_path = url_to_fs(f"{path}/__0_0.distcp")
+    data = bytearray(fs.cat_file(data_path))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(data_path, bytes(data))
+    with pytest.raises(CorruptCheckpoint, match="checksum"):
+        read_shared_shard(newest)
+    assert latest_verified(url_root, on_corrupt=lambda p, reason: None).path == previous
+
+
+@pytest.mark.parametrize("root_kind", ["path", "url"])
+def test_persister_commits_in_the_background(tmp_path: Path, url_root: str, root_kind: str) -> None:
     model, optimizer = trained()
     snapshots = RankSnapshots(tmp_path / "shm", rank=0)
     state = {"replica": replica_state(model, optimizer), "rank": {"rng": {"torch": torch.get_rng_state()},
                                                                   "statefuls": {}}}
     snapshots.write(state, step=3, generation=1, world_size=1)
-    persister = Persister(snapshots=snapshots, root=tmp_path / "ckpt", rank=0,
+    root = tmp_path / "ckpt" if root_kind == "path" else url_root
+    persister = Persister(snapshots=snapshots, root=root, rank=0,
                           store=torch.distributed.HashStore(), key_prefix="t", keep=2,
                           param_names=[optimizer_param_names(optimizer, [model])], rank_file="rank_00000.pt",
                           records_timeout=30, current_generation=lambda: 1)
@@ -141,7 +183,7 @@ def test_persister_commits_in_the_background(tmp_path: Path) -> None:
     persister.close(timeout=60)
     [result] = persister.results()
     assert result.committed and result.error is None, result
-    [checkpoint] = list_committed(tmp_path / "ckpt")
+    [checkpoint] = list_committed(root)
     names = sorted(record.name for record in checkpoint.manifest.files)
     assert names == [".metadata", "__0_0.distcp", "rank_00000.pt"]
     assert read_shared_shard(checkpoint)["committed_step"] == 3

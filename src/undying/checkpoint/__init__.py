@@ -1,8 +1,8 @@
 """Checkpoint engine: saving and restoring training state across the state tiers.
 
 Runs in the worker processes. ``snapshot`` is tier T1: each rank's state in node shared
-memory, written at a step boundary. ``storage`` is tier T2: files on a filesystem,
-committed atomically by a checksummed manifest and verified before they are loaded;
+memory, written at a step boundary. ``storage`` is tier T2: files on a filesystem or behind
+an fsspec URL, committed atomically by a checksummed manifest and verified before they are loaded;
 ``dcp_format`` lays the shared shard out as a torch.distributed.checkpoint directory;
 ``persister`` moves T1 snapshots to T2 on a background thread.
 """
@@ -13,15 +13,19 @@ from undying.checkpoint.storage import (
     CommittedCheckpoint,
     CorruptCheckpoint,
     FileRecord,
+    Location,
     Manifest,
     checkpoint_dirname,
     commit,
+    is_url,
     latest_verified,
     list_committed,
     load_object,
+    make_root,
     prune,
     record_file,
     remove_stale_partials,
+    root_location,
     save_object,
     staging_dir,
     verify,
@@ -34,15 +38,19 @@ __all__ = [
     "CommittedCheckpoint",
     "CorruptCheckpoint",
     "FileRecord",
+    "Location",
     "Manifest",
     "checkpoint_dirname",
     "commit",
+    "is_url",
     "latest_verified",
     "list_committed",
     "load_object",
+    "make_root",
     "prune",
     "record_file",
     "remove_stale_partials",
+    "root_location",
     "save_object",
     "staging_dir",
     "verify",

@@ -12,14 +12,15 @@ handed to ``torch.distributed.checkpoint.save`` (which flattens nested keys with
     undying        {"format", "committed_step", "loaders", "statefuls", "models", "optimizers"}
 
 ``dcp.load({"model": model.state_dict()}, checkpoint_id=path)`` loads the weights into a
-plain model (docs/checkpoints.md). Our MANIFEST.json sits beside DCP's ``.metadata`` and
-``*.distcp`` files and lists each with its size and CRC-32.
+plain model (docs/checkpoints.md); under a URL root (``checkpoint.dir`` an fsspec URL) the
+shard is written and read with DCP's fsspec storage, and ``checkpoint_id=url`` loads it the
+same way. Our MANIFEST.json sits beside DCP's ``.metadata`` and ``*.distcp`` files and lists
+each with its size and CRC-32.
 """
 
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ from undying.checkpoint.storage import (
     CommittedCheckpoint,
     CorruptCheckpoint,
     FileRecord,
+    Location,
+    is_url,
     record_file,
     verify_files,
 )
@@ -130,9 +133,10 @@ def from_dcp(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def write_shared_shard(staging: Path, replica_state: dict[str, Any],
+def write_shared_shard(staging: Location, replica_state: dict[str, Any],
                        param_names: list[list[str]]) -> list[FileRecord]:
-    """Save the shared shard with DCP into ``staging``; return the records of every file DCP wrote.
+    """Save the shared shard with DCP into ``staging`` (a local directory or a URL); return the
+    records of every file DCP wrote.
 
     Tensors may be views into a T1 slot: DCP copies each into a tensor of its own size before
     ``torch.save``, one at a time, so the extra memory is the largest tensor.
@@ -141,10 +145,15 @@ def write_shared_shard(staging: Path, replica_state: dict[str, Any],
     # import (3+ s with four workers on two cores), on the critical path of a cold replacement.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    metadata = dcp.save(to_dcp(replica_state, param_names),
-                        storage_writer=FileSystemWriter(staging, sync_files=True, single_file_per_rank=True),
-                        no_dist=True)
+    if is_url(staging):
+        # No sync_files: an fsspec file without a descriptor makes DCP fall back to os.sync() of the
+        # whole machine; behind a URL, durability is the store's once a file is closed.
+        writer: FileSystemWriter = FsspecWriter(staging, sync_files=False, single_file_per_rank=True)
+    else:
+        writer = FileSystemWriter(staging, sync_files=True, single_file_per_rank=True)
+    metadata = dcp.save(to_dcp(replica_state, param_names), storage_writer=writer, no_dist=True)
     names = sorted({info.relative_path for info in metadata.storage_data.values()}) + [DCP_METADATA]
     return [record_file(staging, name) for name in names]
 
@@ -160,6 +169,7 @@ def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False) -> dict
     Raises ``CorruptCheckpoint`` if the bytes do not match or DCP cannot read them.
     """
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -169,7 +179,8 @@ def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False) -> dict
         verify_files(ckpt, names)
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=FileSystemReader(ckpt.path),
+        reader = FsspecReader(ckpt.path) if is_url(ckpt.path) else FileSystemReader(ckpt.path)
+        _load_state_dict(state, storage_reader=reader,
                          planner=_EmptyStateDictLoadPlanner(), no_dist=True)
         return from_dcp(state)
     except Exception as error:  # noqa: BLE001 - any failure to parse verified bytes means unusable

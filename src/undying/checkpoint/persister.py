@@ -2,7 +2,7 @@
 
 Runs in the worker, one ``Persister`` (and one thread) per rank. The training thread pins
 a snapshot and submits it; the persister writes it into the checkpoint's staging
-directory (rank 0: the shared shard in DCP format; every rank: its own small rank file),
+directory (under a URL root: the checkpoint's own directory) (rank 0: the shared shard in DCP format; every rank: its own small rank file),
 announces its file records in the job's store, and rank 0's persister (the generation's
 first member) commits the checkpoint once every rank's records are there.
 
@@ -22,13 +22,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch.distributed as dist
 
 from undying.checkpoint.dcp_format import materialize, write_shared_shard
 from undying.checkpoint.snapshot import RankSnapshots
-from undying.checkpoint.storage import FileRecord, commit, save_object, staging_dir
+from undying.checkpoint.storage import FileRecord, Location, commit, save_object, staging_dir
 
 RECORDS_POLL_S = 0.01  # how often rank 0 looks for the other ranks' file records
 
@@ -61,9 +60,10 @@ class Persister:
     Guarantees:
 
     - A checkpoint is committed (by the generation's first member only, with
-      ``storage.commit``: files fsynced, manifest with sizes and CRC-32 renamed into place)
-      only after every member published the records of its files for that step and generation;
-      until then it is a ``.partial`` directory that no reader lists.
+      ``storage.commit``: files fsynced, manifest with sizes and CRC-32 renamed into place;
+      under a URL root the manifest written last, as one object) only after every member
+      published the records of its files for that step and generation; until then it is a
+      ``.partial`` directory (URL: a directory without a manifest) that no reader lists.
     - The snapshot being written stays pinned, so the training thread never overwrites it.
     - Jobs run in submission order; ``submit`` returns at once unless the previous job is
       still running, in which case it waits for it (back-pressure: a checkpoint interval
@@ -74,7 +74,7 @@ class Persister:
     leave the staging directory for ``remove_stale_partials``.
     """
 
-    def __init__(self, *, snapshots: RankSnapshots, root: Path, rank: int,
+    def __init__(self, *, snapshots: RankSnapshots, root: Location, rank: int,
                  store: dist.Store, key_prefix: str, keep: int, param_names: list[list[str]],
                  rank_file: str, records_timeout: float, current_generation: Callable[[], int],
                  commit_meta: dict[str, object] | None = None) -> None:

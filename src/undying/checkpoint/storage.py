@@ -1,27 +1,40 @@
-"""T2 checkpoint storage: per-rank files committed by one atomic, checksummed manifest.
+"""T2 checkpoint storage: per-rank files committed by one checksummed manifest.
 
-Runs in the worker processes: every rank writes its own files into a staging
+Runs in the worker processes: every rank writes its own files into the checkpoint's
 directory, rank 0 commits them, and at restart every rank finds and loads the newest
-checkpoint that verifies. Local filesystem only; every filesystem call sits in a small
-private helper so the module can move to fsspec without changing its API.
+checkpoint that verifies. ``root`` is a local (or shared-filesystem) path, or any fsspec
+URL (``s3://``, ``gs://``, ``file://``, ``memory://``, ...); every filesystem call sits in
+a small private helper, one set for each.
 
-Layout under ``root``::
+A local path (``Path``, or a string without ``://``)::
 
     step_000000120/                 committed: MANIFEST.json + the files it lists
     step_000000130.g3.partial/      staging of step 130 by generation 3 (not a checkpoint)
     step_000000120.g4.replaced/     an old directory on its way out (not a checkpoint)
 
+A URL (object stores have no atomic rename, so nothing is renamed)::
+
+    step_000000120.g3/              written in place by generation 3; a checkpoint once its
+                                    MANIFEST.json exists and parses (the last object written)
+
 Guarantees:
 
-* A directory is a checkpoint only once its name is ``step_<step>`` and it holds a
+* Local: a directory is a checkpoint only once its name is ``step_<step>`` and it holds a
   parseable manifest. Both come from one ``rename`` of a fully written, fsynced staging
   directory, so a crash at any point leaves either the old state or the new one.
+* URL: a directory is a checkpoint only once its manifest, written in one object write
+  after every file it lists, exists and its checksum matches; a writer killed earlier
+  leaves files without a manifest, which are never listed and are removed by
+  ``remove_stale_partials``. Each generation writes its own directory, so a late writer of
+  an old generation never touches a newer generation's files. Deletions remove the
+  manifest first, so a half-deleted checkpoint is no longer one.
 * Nothing is handed to ``torch.load`` before its size and CRC-32 match the manifest, and
   the manifest carries a checksum of its own, so a flipped byte anywhere is detected.
 
 Not guaranteed: CRC-32 detects accidental corruption (bit rot, truncation, torn writes),
 not deliberate tampering; on a shared filesystem, durability is only as good as the
-filesystem's ``fsync``.
+filesystem's ``fsync``; behind a URL it is the store's (a ``file://`` URL is not fsynced),
+and a store whose listings lag its writes may not show the newest checkpoint yet.
 """
 
 from __future__ import annotations
@@ -36,14 +49,19 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeGuard
 
 import torch
+
+from undying.checkpoint import urlfs
 
 logger = logging.getLogger(__name__)
 
 PathLike: TypeAlias = str | os.PathLike[str]
+# A checkpoint root or directory: a local ``Path``, or an fsspec URL (a ``str`` with ``://``).
+Location: TypeAlias = Path | str
 
 CHECKSUM_ALGO = "crc32"
 MANIFEST_NAME = "MANIFEST.json"
@@ -56,6 +74,7 @@ _READ_CHUNK = 4 << 20
 
 _COMMITTED_RE = re.compile(r"step_(\d{9,})")
 _PARTIAL_RE = re.compile(r"step_(\d{9,})\.g(\d+)\.partial")
+_URL_DIR_RE = re.compile(r"step_(\d{9,})\.g(\d+)")  # a URL root's checkpoint directory
 _CHECKSUM_RE = re.compile(r"crc32:[0-9a-f]{8}")
 # The manifest's own checksum: CRC-32 over the canonical JSON of every other field.
 _MANIFEST_CHECKSUM_KEY = "manifest_checksum"
@@ -170,7 +189,7 @@ class CommittedCheckpoint:
     """A directory whose manifest parsed. Not yet verified: call ``verify`` or use
     ``latest_verified``; ``load_object`` checks each file it reads either way."""
 
-    path: Path
+    path: Location  # a Path under a local root, the directory's URL under a URL root
     manifest: Manifest = field(repr=False)
 
     @property
@@ -181,6 +200,17 @@ class CommittedCheckpoint:
 # ---------------------------------------------------------------------------- names
 
 
+def is_url(location: object) -> TypeGuard[str]:
+    """Whether ``location`` is an fsspec URL (a string with ``://``, ``file://`` included) rather
+    than a local path. A ``Path`` is always local (``Path("s3://b")`` has lost a slash already)."""
+    return isinstance(location, str) and "://" in location
+
+
+def root_location(directory: str) -> Location:
+    """``checkpoint.dir`` as this module takes it: a URL as given, anything else as a local ``Path``."""
+    return directory if is_url(directory) else Path(directory)
+
+
 def checkpoint_dirname(step: int) -> str:
     """Name of the committed directory of ``step``: ``step_`` and at least nine digits."""
     if not _is_int(step) or step < 0:
@@ -189,9 +219,15 @@ def checkpoint_dirname(step: int) -> str:
 
 
 def _staging_dirname(step: int, generation: int) -> str:
+    return f"{_generation_dirname(step, generation)}{PARTIAL_SUFFIX}"
+
+
+def _generation_dirname(step: int, generation: int) -> str:
+    """Name of the directory ``generation`` writes ``step`` into under a URL root (with
+    ``.partial``: its staging directory under a local root)."""
     if not _is_int(generation) or generation < 0:
         raise ValueError(f"generation must be an integer >= 0, got {generation!r}")
-    return f"{checkpoint_dirname(step)}.g{generation}{PARTIAL_SUFFIX}"
+    return f"{checkpoint_dirname(step)}.g{generation}"
 
 
 def _committed_step(name: str) -> int | None:
@@ -206,6 +242,15 @@ def _committed_step(name: str) -> int | None:
     return step if checkpoint_dirname(step) == name else None
 
 
+def _url_dir_id(name: str) -> tuple[int, int] | None:
+    """(step, generation) of a directory name under a URL root, or None; canonical spelling only."""
+    match = _URL_DIR_RE.fullmatch(name)
+    if match is None:
+        return None
+    step, generation = int(match.group(1)), int(match.group(2))
+    return (step, generation) if _generation_dirname(step, generation) == name else None
+
+
 def _check_file_name(name: str) -> None:
     """Files are plain names inside the checkpoint directory: nothing can point outside it."""
     if (
@@ -217,6 +262,14 @@ def _check_file_name(name: str) -> None:
         or name.endswith(_TMP_SUFFIX)
     ):
         raise ValueError(f"invalid checkpoint file name {name!r}")
+
+
+def _check_member_name(directory: Location, name: str) -> None:
+    """``_check_file_name`` for a name read from a manifest: a bad one makes the checkpoint corrupt."""
+    try:
+        _check_file_name(name)
+    except ValueError as exc:
+        raise CorruptCheckpoint(f"{directory}: {exc}") from exc
 
 
 def _check_unique(files: list[FileRecord]) -> None:
@@ -246,7 +299,13 @@ def _canonical_json(body: dict[str, Any]) -> str:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-# ------------------------------------------------------- filesystem (fsspec seam)
+def _new_manifest(step: int, generation: int, world_size: int, files: list[FileRecord],
+                  meta: dict[str, Any] | None) -> Manifest:
+    return Manifest(step=step, generation=generation, world_size=world_size, files=list(files),
+                    meta=_json_normalized(meta or {}), created=time.time())
+
+
+# ------------------------------------------------------------ filesystem: local paths
 
 
 def _fsync_dir(path: Path) -> None:
@@ -292,10 +351,7 @@ def _remove_dir(path: Path) -> None:
 
 def _member_path(directory: Path, name: str) -> Path:
     """``directory / name`` after checking it cannot resolve outside ``directory``."""
-    try:
-        _check_file_name(name)
-    except ValueError as exc:
-        raise CorruptCheckpoint(f"{directory}: {exc}") from exc
+    _check_member_name(directory, name)
     path = directory / name
     if not path.resolve().is_relative_to(directory.resolve()):
         raise CorruptCheckpoint(f"{path}: resolves outside the checkpoint directory")
@@ -322,8 +378,7 @@ def _read_manifest(directory: Path) -> Manifest:
     return manifest
 
 
-def _scan(root: Path) -> Iterator[tuple[Path, CommittedCheckpoint | None, str]]:
-    """Every committed-looking directory, newest first: (path, checkpoint or None, reason)."""
+def _scan_local(root: Path) -> Iterator[tuple[Location, int, CommittedCheckpoint | None, str]]:
     if not root.is_dir():
         return
     candidates: list[tuple[int, Path]] = []
@@ -331,38 +386,169 @@ def _scan(root: Path) -> Iterator[tuple[Path, CommittedCheckpoint | None, str]]:
         step = _committed_step(entry.name)
         if step is not None and entry.is_dir():
             candidates.append((step, entry))
-    for _, path in sorted(candidates, reverse=True):
+    for step, path in sorted(candidates, reverse=True):
         try:
-            yield path, CommittedCheckpoint(path, _read_manifest(path)), ""
+            yield path, step, CommittedCheckpoint(path, _read_manifest(path)), ""
         except CorruptCheckpoint as exc:
-            yield path, None, str(exc)
+            yield path, step, None, str(exc)
+
+
+# ------------------------------------------------------------ filesystem: URLs (fsspec)
+
+
+def _read_url_manifest(directory: urlfs.UrlDir, step: int, generation: int) -> Manifest:
+    """The manifest of ``step_<step>.g<generation>``; ``FileNotFoundError`` if it has none (not committed)."""
+    where = urlfs.join(directory.url, MANIFEST_NAME)
+    try:
+        text = urlfs.read(directory, MANIFEST_NAME)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CorruptCheckpoint(f"{where}: manifest unreadable ({exc})") from exc
+    try:
+        manifest = Manifest.from_json(text)
+    except ValueError as exc:
+        raise CorruptCheckpoint(f"{where}: bad manifest: {exc}") from exc
+    if (manifest.step, manifest.generation) != (step, generation):
+        raise CorruptCheckpoint(f"{where}: bad manifest: step {manifest.step}, generation "
+                                f"{manifest.generation} do not match directory {_generation_dirname(step, generation)}")
+    return manifest
+
+
+def _scan_url(root: urlfs.UrlDir) -> Iterator[tuple[Location, int, CommittedCheckpoint | None, str]]:
+    generations: dict[int, list[int]] = {}
+    for name in urlfs.children(root):
+        ident = _url_dir_id(name)
+        if ident is not None:
+            generations.setdefault(ident[0], []).append(ident[1])
+    for step in sorted(generations, reverse=True):
+        for generation in sorted(generations[step], reverse=True):
+            directory = root.child(_generation_dirname(step, generation))
+            try:
+                manifest = _read_url_manifest(directory, step, generation)
+            except FileNotFoundError:
+                continue  # being written, or abandoned mid-write: not a checkpoint
+            except CorruptCheckpoint as exc:
+                yield directory.url, step, None, str(exc)
+            else:
+                yield directory.url, step, CommittedCheckpoint(directory.url, manifest), ""
+            break  # a step's checkpoint is its newest generation with a manifest
+
+
+def _remove_stale_url(root: urlfs.UrlDir, current_generation: int) -> list[Location]:
+    idents = sorted((ident for name in urlfs.children(root) if (ident := _url_dir_id(name))), reverse=True)
+    committed_steps: set[int] = set()
+    stale: list[urlfs.UrlDir] = []
+    for step, generation in idents:  # each step's newest generation first
+        directory = root.child(_generation_dirname(step, generation))
+        if urlfs.exists(directory, MANIFEST_NAME):
+            if step in committed_steps:
+                stale.append(directory)  # replaced by a newer generation's commit of the same step
+            committed_steps.add(step)
+        elif generation != current_generation:
+            stale.append(directory)  # a writer killed mid-write, or a deletion cut short
+    for directory in stale:
+        urlfs.remove(directory, MANIFEST_NAME)
+    return sorted(directory.url for directory in stale)
+
+
+# ---------------------------------------------------------- filesystem: either kind
+
+
+def _scan(root: PathLike) -> Iterator[tuple[Location, int, CommittedCheckpoint | None, str]]:
+    """Every committed-looking directory, newest first: (location, step, checkpoint or None, reason).
+
+    Under a URL root a directory without a manifest is still being written (or was
+    abandoned) and is not yielded at all."""
+    if is_url(root):
+        return _scan_url(urlfs.open_dir(root))
+    return _scan_local(Path(root))
+
+
+def _member_size(directory: Location, name: str) -> int:
+    """The size of the member ``name``; ``FileNotFoundError`` if it is missing."""
+    if is_url(directory):
+        return urlfs.size(urlfs.open_dir(directory), name)
+    path = Path(directory) / name
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    return path.stat().st_size
+
+
+def _member_checksum(directory: Location, name: str) -> str:
+    if is_url(directory):
+        return urlfs.checksum(urlfs.open_dir(directory), name)[1]
+    return _file_checksum(Path(directory) / name)
+
+
+def _member_bytes(directory: Location, name: str) -> tuple[str, bytes]:
+    """Where the member ``name`` is and its bytes; ``CorruptCheckpoint`` if it cannot be read."""
+    if is_url(directory):
+        _check_member_name(directory, name)
+        where, read = urlfs.join(directory, name), partial(urlfs.read, urlfs.open_dir(directory), name)
+    else:
+        path = _member_path(Path(directory), name)
+        where, read = str(path), path.read_bytes
+    try:
+        return where, read()
+    except FileNotFoundError as exc:
+        raise CorruptCheckpoint(f"{where}: missing") from exc
+    except OSError as exc:
+        raise CorruptCheckpoint(f"{where}: unreadable ({exc})") from exc
+
+
+def _remove_checkpoint(location: Location) -> None:
+    if is_url(location):
+        urlfs.remove(urlfs.open_dir(location), MANIFEST_NAME)
+    else:
+        _remove_dir(Path(location))
 
 
 # ------------------------------------------------------------------------ writing
 
 
-def staging_dir(root: PathLike, step: int, generation: int) -> Path:
-    """Create (if needed) and return the staging directory of ``step`` in ``generation``.
+def make_root(root: PathLike) -> None:
+    """Create the checkpoint root if it does not exist yet (on an object store: nothing to do)."""
+    if is_url(root):
+        urlfs.makedirs(urlfs.open_dir(root))
+    else:
+        Path(root).mkdir(parents=True, exist_ok=True)
+
+
+def staging_dir(root: PathLike, step: int, generation: int) -> Location:
+    """Create (if needed) and return the directory where ``generation`` writes ``step``.
+
+    Under a local root: the staging directory ``step_<step>.g<generation>.partial`` that the
+    commit renames. Under a URL root: the final directory ``step_<step>.g<generation>`` (its
+    URL), which the commit's manifest turns into a checkpoint in place.
 
     Every rank may call this concurrently. Staging directories are never listed as
     checkpoints; a generation's leftovers are removed by ``remove_stale_partials``.
     """
+    if is_url(root):
+        directory = urlfs.open_dir(root).child(_generation_dirname(step, generation))
+        urlfs.makedirs(directory)
+        return directory.url
     path = Path(root) / _staging_dirname(step, generation)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def save_object(staging: Path, name: str, obj: Any) -> FileRecord:
-    """``torch.save`` ``obj`` to ``staging/name`` atomically and durably; return its record.
+def save_object(staging: Location, name: str, obj: Any) -> FileRecord:
+    """``torch.save`` ``obj`` to ``staging/name`` atomically (local: fsynced; URL: one object
+    write) and return its record.
 
-    The checksum is taken over the exact bytes written, before they reach the disk.
+    The checksum is taken over the exact bytes written, before they reach the storage.
     """
     _check_file_name(name)
-    staging = Path(staging)
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     data = buffer.getbuffer()
     record = FileRecord(name=name, size=data.nbytes, checksum=_checksum_bytes(data))
+    if is_url(staging):
+        urlfs.write(urlfs.open_dir(staging), name, data)
+        return record
+    staging = Path(staging)
     _write_atomic(staging / name, data)
     # On a shared filesystem rank 0 cannot make another client's directory entry
     # durable, so each writer syncs its own.
@@ -370,9 +556,13 @@ def save_object(staging: Path, name: str, obj: Any) -> FileRecord:
     return record
 
 
-def record_file(staging: Path, name: str) -> FileRecord:
+def record_file(staging: Location, name: str) -> FileRecord:
     """The record of a file another writer (e.g. torch.distributed.checkpoint) put in ``staging``:
-    synced to disk, its size and CRC-32 read back from what the file now holds."""
+    synced to disk (local), its size and CRC-32 read back from what the file now holds."""
+    if is_url(staging):
+        _check_member_name(staging, name)
+        size, checksum = urlfs.checksum(urlfs.open_dir(staging), name)
+        return FileRecord(name=name, size=size, checksum=checksum)
     path = _member_path(Path(staging), name)
     _fsync_dir(path)
     _fsync_dir(Path(staging))
@@ -387,7 +577,7 @@ def verify_files(ckpt: CommittedCheckpoint, names: list[str]) -> None:
 
 def commit(
     root: PathLike,
-    staging: Path,
+    staging: Location,
     *,
     step: int,
     generation: int,
@@ -399,25 +589,37 @@ def commit(
     """Turn ``staging`` into the committed checkpoint of ``step``; called by rank 0 only.
 
     Every listed file must be in ``staging`` with its listed size, or ``CorruptCheckpoint``
-    is raised and nothing is committed. The manifest is written and synced inside the
-    staging directory, which is then renamed to ``step_<step>`` in one step. An existing
-    checkpoint of the same step (committed again after a restart) is moved aside, replaced
-    and deleted. With ``keep``, older checkpoints beyond the ``keep`` newest are pruned.
+    is raised and nothing is committed. Local root: the manifest is written and synced
+    inside the staging directory, which is then renamed to ``step_<step>`` in one step; an
+    existing checkpoint of the same step (committed again after a restart) is moved aside,
+    replaced and deleted. URL root: the manifest is written into ``staging`` as one object,
+    the last one; then older generations' directories of the same step are deleted. With
+    ``keep``, older checkpoints beyond the ``keep`` newest are pruned, after the commit.
     """
-    root = Path(root)
-    staging = Path(staging)
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for record in files:
+        _check_file_name(record.name)
+    _check_unique(files)
+    if is_url(root) or is_url(staging):
+        committed = _commit_url(root, staging, step=step, generation=generation, world_size=world_size,
+                                files=files, meta=meta)
+    else:
+        committed = _commit_local(Path(root), Path(staging), step=step, generation=generation,
+                                  world_size=world_size, files=files, meta=meta)
+    if keep is not None:
+        prune(root, keep)
+    return committed
+
+
+def _commit_local(root: Path, staging: Path, *, step: int, generation: int, world_size: int,
+                  files: list[FileRecord], meta: dict[str, Any] | None) -> CommittedCheckpoint:
     if staging.name != _staging_dirname(step, generation):
         raise ValueError(f"{staging} is not the staging directory of step {step}, generation {generation}")
     if staging.parent.resolve() != root.resolve():
         raise ValueError(f"{staging} is not inside {root}")
-    for record in files:
-        _check_file_name(record.name)
-    _check_unique(files)
-
     for record in files:
         path = staging / record.name
         try:
@@ -427,14 +629,7 @@ def commit(
         if size != record.size:
             raise CorruptCheckpoint(f"{path}: size {size} != recorded {record.size} at commit")
 
-    manifest = Manifest(
-        step=step,
-        generation=generation,
-        world_size=world_size,
-        files=list(files),
-        meta=_json_normalized(meta or {}),
-        created=time.time(),
-    )
+    manifest = _new_manifest(step, generation, world_size, files, meta)
     _write_atomic(staging / MANIFEST_NAME, manifest.to_json().encode())
     _fsync_dir(staging)
 
@@ -450,10 +645,34 @@ def commit(
     if aside is not None:
         shutil.rmtree(aside)
     logger.info("committed checkpoint step %d (generation %d) at %s", step, generation, final)
-
-    if keep is not None:
-        prune(root, keep)
     return CommittedCheckpoint(final, manifest)
+
+
+def _commit_url(root: PathLike, staging: Location, *, step: int, generation: int, world_size: int,
+                files: list[FileRecord], meta: dict[str, Any] | None) -> CommittedCheckpoint:
+    if not (is_url(root) and is_url(staging)):
+        raise ValueError(f"{staging} is not inside {root}")
+    root_dir = urlfs.open_dir(root)
+    directory = root_dir.child(_generation_dirname(step, generation))
+    if staging.rstrip("/") != directory.url:
+        raise ValueError(f"{staging} is not the directory of step {step}, generation {generation} in {root}")
+    for record in files:
+        where = urlfs.join(directory.url, record.name)
+        try:
+            size = urlfs.size(directory, record.name)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpoint(f"{where}: missing at commit") from exc
+        if size != record.size:
+            raise CorruptCheckpoint(f"{where}: size {size} != recorded {record.size} at commit")
+
+    manifest = _new_manifest(step, generation, world_size, files, meta)
+    urlfs.write(directory, MANIFEST_NAME, manifest.to_json().encode())  # the commit
+    for name in urlfs.children(root_dir):
+        ident = _url_dir_id(name)
+        if ident is not None and ident[0] == step and ident[1] < generation:
+            urlfs.remove(root_dir.child(name), MANIFEST_NAME)  # the same step committed (or begun) by an older generation
+    logger.info("committed checkpoint step %d (generation %d) at %s", step, generation, directory.url)
+    return CommittedCheckpoint(directory.url, manifest)
 
 
 # ------------------------------------------------------------------------ reading
@@ -464,7 +683,7 @@ def list_committed(root: PathLike) -> list[CommittedCheckpoint]:
 
     Files are not verified here; a directory with a missing or bad manifest is left out.
     """
-    return [ckpt for _, ckpt, _ in _scan(Path(root)) if ckpt is not None]
+    return [ckpt for _, _, ckpt, _ in _scan(root) if ckpt is not None]
 
 
 def verify(ckpt: CommittedCheckpoint) -> None:
@@ -473,21 +692,23 @@ def verify(ckpt: CommittedCheckpoint) -> None:
         _verify_record(ckpt.path, record)
 
 
-def _verify_record(directory: Path, record: FileRecord) -> None:
-    path = _member_path(directory, record.name)
+def _verify_record(directory: Location, record: FileRecord) -> None:
+    if is_url(directory):
+        _check_member_name(directory, record.name)
+    else:
+        _member_path(Path(directory), record.name)
+    where = urlfs.join(str(directory), record.name)
     try:
-        if not path.is_file():
-            raise CorruptCheckpoint(f"{path}: missing")
-        size = path.stat().st_size
+        size = _member_size(directory, record.name)
         if size != record.size:
-            raise CorruptCheckpoint(f"{path}: size {size} != recorded {record.size}")
-        checksum = _file_checksum(path)
+            raise CorruptCheckpoint(f"{where}: size {size} != recorded {record.size}")
+        checksum = _member_checksum(directory, record.name)
     except FileNotFoundError as exc:
-        raise CorruptCheckpoint(f"{path}: missing") from exc
+        raise CorruptCheckpoint(f"{where}: missing") from exc
     except OSError as exc:
-        raise CorruptCheckpoint(f"{path}: unreadable ({exc})") from exc
+        raise CorruptCheckpoint(f"{where}: unreadable ({exc})") from exc
     if checksum != record.checksum:
-        raise CorruptCheckpoint(f"{path}: checksum {checksum} != recorded {record.checksum}")
+        raise CorruptCheckpoint(f"{where}: checksum {checksum} != recorded {record.checksum}")
 
 
 def load_object(ckpt: CommittedCheckpoint, name: str, map_location: str | torch.device = "cpu") -> Any:
@@ -497,18 +718,12 @@ def load_object(ckpt: CommittedCheckpoint, name: str, map_location: str | torch.
     if the manifest lists no such file.
     """
     record = ckpt.manifest.record(name)
-    path = _member_path(ckpt.path, name)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError as exc:
-        raise CorruptCheckpoint(f"{path}: missing") from exc
-    except OSError as exc:
-        raise CorruptCheckpoint(f"{path}: unreadable ({exc})") from exc
+    where, data = _member_bytes(ckpt.path, name)
     if len(data) != record.size:
-        raise CorruptCheckpoint(f"{path}: size {len(data)} != recorded {record.size}")
+        raise CorruptCheckpoint(f"{where}: size {len(data)} != recorded {record.size}")
     checksum = _checksum_bytes(data)
     if checksum != record.checksum:
-        raise CorruptCheckpoint(f"{path}: checksum {checksum} != recorded {record.checksum}")
+        raise CorruptCheckpoint(f"{where}: checksum {checksum} != recorded {record.checksum}")
     # weights_only=False is acceptable only because these exact bytes were just matched
     # against the checksum in a manifest this job wrote; the files hold Python objects
     # (RNG states, data positions) that the weights-only unpickler rejects.
@@ -516,17 +731,18 @@ def load_object(ckpt: CommittedCheckpoint, name: str, map_location: str | torch.
 
 
 def latest_verified(
-    root: PathLike, on_corrupt: Callable[[Path, str], None] | None = None, older_than: int | None = None
+    root: PathLike, on_corrupt: Callable[[Location, str], None] | None = None, older_than: int | None = None
 ) -> CommittedCheckpoint | None:
     """The newest checkpoint that passes ``verify`` (with ``older_than``: the newest of a step below
     it), or None if there is none.
 
     Every skipped directory (bad or missing manifest, or a file that fails verification)
-    is reported to ``on_corrupt(path, reason)``, or logged as a warning without one.
+    is reported to ``on_corrupt(path, reason)``, or logged as a warning without one; under a
+    URL root a directory without a manifest is not a checkpoint and is not reported.
     Reads every file of each checkpoint it tries.
     """
-    for path, ckpt, reason in _scan(Path(root)):
-        if older_than is not None and (_committed_step(path.name) or 0) >= older_than:
+    for location, step, ckpt, reason in _scan(root):
+        if older_than is not None and step >= older_than:
             continue
         if ckpt is not None:
             try:
@@ -535,45 +751,50 @@ def latest_verified(
             except CorruptCheckpoint as exc:
                 reason = str(exc)
         if on_corrupt is not None:
-            on_corrupt(path, reason)
+            on_corrupt(location, reason)
         else:
-            logger.warning("skipping corrupt checkpoint %s: %s", path, reason)
+            logger.warning("skipping corrupt checkpoint %s: %s", location, reason)
     return None
 
 
 # ---------------------------------------------------------------------- cleaning
 
 
-def prune(root: PathLike, keep: int) -> list[Path]:
+def prune(root: PathLike, keep: int) -> list[Location]:
     """Delete committed checkpoints beyond the ``keep`` newest; return what was removed.
 
-    Staging (``.partial``) directories are never touched, so a write in progress is safe.
-    Directories with a committed name but a bad manifest are left for inspection.
+    Staging (``.partial``, or under a URL root manifest-less) directories are never touched, so
+    a write in progress is safe. Directories with a committed name but a bad manifest are left
+    for inspection. Under a URL root each manifest is deleted before its files.
     """
     if keep < 0:
         raise ValueError(f"keep must be >= 0, got {keep}")
-    removed: list[Path] = []
+    removed: list[Location] = []
     for ckpt in list_committed(root)[keep:]:
-        _remove_dir(ckpt.path)
+        _remove_checkpoint(ckpt.path)
         removed.append(ckpt.path)
         logger.info("pruned checkpoint step %d at %s", ckpt.step, ckpt.path)
     return removed
 
 
-def remove_stale_partials(root: PathLike, current_generation: int) -> list[Path]:
-    """Delete staging directories of other generations and ``.replaced`` leftovers.
+def remove_stale_partials(root: PathLike, current_generation: int) -> list[Location]:
+    """Delete staging directories of other generations and ``.replaced`` leftovers (under a URL
+    root: manifest-less directories of other generations, and committed ones replaced by a
+    newer generation's commit of the same step).
 
     Call only while no commit is running (e.g. at job start or after a regroup).
     """
+    if is_url(root):
+        return _remove_stale_url(urlfs.open_dir(root), current_generation)
     root = Path(root)
     if not root.is_dir():
         return []
-    removed: list[Path] = []
+    removed: list[Location] = []
     for entry in sorted(root.iterdir()):
         if not entry.is_dir():
             continue
-        partial = _PARTIAL_RE.fullmatch(entry.name)
-        stale_partial = partial is not None and int(partial.group(2)) != current_generation
+        partial_match = _PARTIAL_RE.fullmatch(entry.name)
+        stale_partial = partial_match is not None and int(partial_match.group(2)) != current_generation
         if stale_partial or entry.name.endswith(REPLACED_SUFFIX):
             shutil.rmtree(entry)
             removed.append(entry)

@@ -16,7 +16,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from undying import events as ev
@@ -76,6 +76,8 @@ HEARTBEAT_LOG_EVERY = 0.5
 # A worker's own report that its step failed waits this long for the cause to show up
 # (a dead peer's exit, a lost node), so the decision is made on the real fault.
 STEP_FAILED_GRACE = 0.5
+# After a controller failover: how much longer than one long poll a live agent may take to show up.
+UNCONFIRMED_GRACE = 2.0
 # Faults that mean the rank's process is gone or no longer usable.
 PROCESS_FAULTS = ("worker_exit", "heartbeat_missed", "start_timeout", "exit_timeout", "step_stalled")
 
@@ -94,6 +96,7 @@ class NodeRecord:
     orders: collections.deque[Order] = field(default_factory=collections.deque)
     exit_delivered: bool = False
     standby: bool = False  # a spare: no ranks; takes over a lost node's place when ordered to
+    confirmed: bool = True  # False: known only from a failed-over controller's saved state, not polled yet
     adopting: int | None = None  # the node whose place this spare was ordered to take
 
     def running_workers(self) -> list[WorkerStatus]:
@@ -133,11 +136,19 @@ class Controller:
         store_port: int,
         injections_text: str = "",
         on_node_lost: Callable[[int], None] | None = None,
+        store_host: str = "127.0.0.1",
+        save_state: Callable[[dict[str, Any]], bool] | None = None,
     ) -> None:
         self.spec = spec
         self.events = events
         self.job_id = job_id
         self.store_port = store_port
+        self.store_host = store_host
+        self.save_state = save_state  # failover jobs: writes export_state() to etcd (False: deposed)
+        self._saved: dict[str, Any] | None = None
+        self.backup_store = ""  # failover jobs: another node's store that keeps a second RNG mirror
+        self.rng_stores: list[str] = []  # after a takeover: stores that may hold mirrors of earlier steps
+        self.deposed = False  # another controller leads now: stop deciding, keep the job's processes
         self.injections_text = injections_text
         self.on_node_lost = on_node_lost
         self.state = JobState.WAITING_FOR_NODES
@@ -164,6 +175,7 @@ class Controller:
         self._pending_faults: list[Fault] = []
         self._step_failures: list[tuple[float, Fault]] = []
         self._reported_failures: set[tuple[int, int]] = set()  # (rank, generation) step failures seen
+        self._resumed = False
         self._cond = threading.Condition()
 
     # ---------------------------------------------------------------- reports in
@@ -226,13 +238,14 @@ class Controller:
 
     def _take_statuses(self, node: NodeRecord, workers: list[dict[str, Any]]) -> None:
         node.last_seen = time.time()
+        node.confirmed = True
         for raw in workers:
             self._record_worker(node, WorkerStatus.from_dict(raw))
         self._cond.notify_all()
 
     def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
         with self._cond:
-            reply = HeartbeatReply(abort_generation=self.abort_generation)
+            reply = HeartbeatReply(abort_generation=self.abort_generation, mirror_store=self.backup_store)
             record = self.ranks.get(beat.rank)
             if record is None or beat.generation < record.spawn_generation or beat.generation > self.generation:
                 return reply
@@ -314,26 +327,39 @@ class Controller:
             if recovery.plan is None:
                 return Plan(action=PLAN_WAIT)
             in_plan = request.rank in recovery.checked_in or request.rank in recovery.newcomers
-            return recovery.plan if in_plan else Plan(action=PLAN_EXIT, reason="not part of this recovery")
+            return self._stamped(recovery.plan) if in_plan else Plan(action=PLAN_EXIT,
+                                                                      reason="not part of this recovery")
         if self.state is JobState.RUNNING:
             formed = self.plans.get(self.generation)
             # The plan was published while this worker was between two polls.
             fits = request.generation < self.generation or (request.newcomer and request.generation == self.generation)
-            return formed if formed is not None and fits else Plan(action=PLAN_WAIT)
+            return self._stamped(formed) if formed is not None and fits else Plan(action=PLAN_WAIT)
         if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
             return Plan(action=PLAN_EXIT, reason=f"job {self.state.value}")
         return Plan(action=PLAN_WAIT)
+
+    def _stamped(self, plan: Plan) -> Plan:
+        return replace(plan, store=self.store_address, rng_stores=list(self.rng_stores))
+
+    @property
+    def store_address(self) -> str:
+        host = f"[{self.store_host}]" if ":" in self.store_host else self.store_host
+        return f"{host}:{self.store_port}"
 
     def claim_injection(self, claim: InjectionClaim) -> bool:
         with self._cond:
             record = self.ranks.get(claim.rank)
             stale = record is None or claim.generation < record.spawn_generation
-            if claim.index in self.claimed_injections or stale:
+            if claim.index in self.claimed_injections or stale or self.deposed:
                 return False
             self.claimed_injections.add(claim.index)
             injection = next((i for i in decode_injections(self.injections_text) if i.index == claim.index), None)
             if injection is not None and injection.kind == "node" and injection.down is not None:
                 self.node_down_until[claim.node] = time.time() + injection.down
+            # The fault may follow at once (a node kill takes this controller with it): save first,
+            # so a successor does not hand out the same injection again.
+            if not self._save_if_changed():
+                return False
         return True
 
     def node_down_remaining(self, node: int) -> float:
@@ -358,17 +384,111 @@ class Controller:
 
     # ---------------------------------------------------------------- the loop
 
-    def run(self) -> int:
-        """Drive the job to its end; returns the process exit code."""
+    def run(self) -> int | None:
+        """Drive the job to its end; returns the process exit code (None: deposed, another leads)."""
         with self._cond:
-            self._state_deadline = time.time() + self.spec.node_return_timeout
+            if not self._resumed:
+                self._state_deadline = time.time() + self.spec.node_return_timeout
             while True:
                 self._tick(time.time())
+                self._save_if_changed()
+                if self.deposed:
+                    return None
                 if self.state.terminal and self._all_agents_gone():
                     break
                 self._cond.wait(0.05)
         assert self.exit_code is not None
         return self.exit_code
+
+    def depose(self) -> None:
+        """Another controller leads (our etcd lease is gone): stop deciding at once."""
+        with self._cond:
+            self.deposed = True
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- failover state
+
+    def export_state(self) -> dict[str, Any]:
+        """What a successor needs to carry on (failover jobs keep it in etcd); the rest it
+        rebuilds from the agents' polls and the workers' heartbeats."""
+        return {
+            "job_id": self.job_id,
+            "state": self.state.value,
+            "generation": self.generation,
+            "abort_generation": self.abort_generation,
+            "restart_count": self.restart_count,
+            "members": list(self.members),
+            "spawned": {str(rank): record.spawn_generation for rank, record in self.ranks.items()},
+            "nodes": {str(n.node): {"standby": n.standby, "alive": n.alive} for n in self.nodes.values()},
+            "adopted_by": {str(node): spare for node, spare in self.adopted_by.items()},
+            "plan": None if self.generation not in self.plans else self.plans[self.generation].to_dict(),
+            "claimed_injections": sorted(self.claimed_injections),
+            "node_down_until": {str(node): until for node, until in self.node_down_until.items()},
+            "faults": dict(self.faults_total),
+            "started": self.started,
+            "store": self.store_address,
+            "backup_store": self.backup_store,
+        }
+
+    def _save_if_changed(self) -> bool:
+        if self.save_state is None or self.deposed:
+            return not self.deposed
+        state = self.export_state()
+        if state == self._saved:
+            return True
+        if not self.save_state(state):
+            self.deposed = True
+            self._cond.notify_all()
+            return False
+        self._saved = state
+        return True
+
+    def resume(self, saved: dict[str, Any], why: str) -> None:
+        """Take over a job another controller ran (it died or lost its lease). A running generation
+        goes on untouched: its nodes and ranks are known from ``saved`` and confirm themselves by
+        polling and beating here (a node that does not is lost, as any other). A job caught in the
+        middle of a recovery or restart restarts (the successor cannot know how far it got)."""
+        now = time.time()
+        with self._cond:
+            self._resumed = True
+            self.job_id = saved["job_id"]
+            self.generation = int(saved["generation"])
+            self.abort_generation = int(saved["abort_generation"])
+            self.restart_count = int(saved["restart_count"])
+            self.members = [int(rank) for rank in saved["members"]]
+            self.adopted_by = {int(node): int(spare) for node, spare in saved["adopted_by"].items()}
+            self.claimed_injections = {int(index) for index in saved["claimed_injections"]}
+            self.node_down_until = {int(node): float(until) for node, until in saved["node_down_until"].items()}
+            self.faults_total.update(saved["faults"])
+            self.started = float(saved["started"])
+            # The RNG mirrors of the last steps are in the old store (gone with its node, most likely)
+            # and in its backup store, which may be ours.
+            self.rng_stores = [address for address in (saved.get("backup_store"), saved.get("store"))
+                               if address and address != self.store_address]
+            if saved.get("plan"):
+                self.plans[self.generation] = Plan.from_dict(saved["plan"])
+            for node_id, node in saved["nodes"].items():
+                if node["alive"]:
+                    self.nodes[int(node_id)] = NodeRecord(int(node_id), 0, "", now, standby=bool(node["standby"]),
+                                                          confirmed=False)
+            for rank_text, spawned in saved["spawned"].items():
+                rank = int(rank_text)
+                self.ranks[rank] = RankRecord(rank, self._node_of(rank), int(spawned), now, last_heartbeat=now,
+                                              phase=PHASE_COMPUTING)
+            previous = JobState(saved["state"])
+            self.emit(ev.CONTROLLER_TAKEOVER, generation=self.generation, details={
+                "previous_state": previous.value, "why": why, "nodes": sorted(self.nodes),
+                "members": self.members})
+            self._state_deadline = now + self.spec.node_return_timeout
+            if previous is JobState.RUNNING:
+                self.state = JobState.RUNNING
+            elif previous is JobState.WAITING_FOR_NODES:
+                self.nodes.clear()  # agents say hello again; nothing ran yet
+                self.ranks.clear()
+            else:
+                self.state = JobState.RECOVERING  # only to leave it by the legal path below
+                self._begin_job_restart(f"controller failover during {previous.value}", now)
+            self._cond.notify_all()
 
     def _tick(self, now: float) -> None:
         if self.state.terminal:
@@ -427,9 +547,13 @@ class Controller:
 
     def _detect_lost_agents(self, now: float) -> None:
         timeout = self.spec.monitor_interval * 2 + 5.0
+        # After a failover a live agent finds the new controller within one long poll and a lookup.
+        unconfirmed_timeout = self.spec.monitor_interval + UNCONFIRMED_GRACE
         for node in self.nodes.values():
-            if node.alive and not node.exit_delivered and now - node.last_seen > timeout:
-                self._lose_node(node, f"no poll for {now - node.last_seen:.1f} s")
+            limit = timeout if node.confirmed else unconfirmed_timeout
+            if node.alive and not node.exit_delivered and now - node.last_seen > limit:
+                what = "no poll" if node.confirmed else "no poll since the controller failed over"
+                self._lose_node(node, f"{what} for {now - node.last_seen:.1f} s")
 
     def agent_id_of(self, node: int) -> int:
         """The agent process id (as the launcher started it) now serving ``node``."""
@@ -449,6 +573,10 @@ class Controller:
             self.on_node_lost(node.node)
 
     def _find_fault(self, now: float) -> Fault | None:
+        if any(n.alive and not n.confirmed and not n.standby for n in self.nodes.values()):
+            # Just failed over: every fault now (a failed step, a silent rank) may be the old leader's
+            # node dying. Decide once each node has either polled here or been declared lost.
+            return None
         if self._pending_faults:
             return self._pending_faults.pop(0)
         for record in self.ranks.values():

@@ -26,8 +26,9 @@ from typing import Any, Protocol
 import torch
 
 from undying import events as ev
-from undying.checkpoint import commit, save_object, staging_dir
+from undying.checkpoint import Location, commit, root_location, save_object, staging_dir
 from undying.checkpoint.dcp_format import write_shared_shard
+from undying.client import parse_address
 from undying.config import JobSpec, spec_from_json
 from undying.data import ResumableLoader, replica_slots
 from undying.inject import Injection, decode, fire
@@ -54,11 +55,11 @@ from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.optim import CommitOptimizer
 from undying.runtime.pg import CollectiveError, GenerationGroup, choose_backend, connect_store, reapers_alive
 from undying.runtime.reporter import Reporter
-from undying.runtime.rng import capture_rng, restore_rng, rng_from_bytes, rng_to_bytes
+from undying.runtime.rng import capture_rng, restore_rng, rng_to_bytes
+from undying.runtime.rng_mirror import RngMirror
 from undying.runtime.snapshots import CheckpointEngine, rank_state_file
 
 RESULT_FILE = "result.json"
-RNG_MIRROR_KEEP = 3  # steps of mirrored RNG state kept in the store per rank
 
 
 class Stateful(Protocol):
@@ -151,7 +152,8 @@ class Runtime:
         self._updated = False
         self._commit_rng: dict[str, Any] = {}
         self._commit_loaders: list[dict[str, Any]] = []
-        self._mirrored: tuple[int, bytes] = (-1, b"")  # (step, encoded RNG) last written to the store
+        self.rng_mirror = RngMirror(self.store, self.store_prefix, self.rank, self.reporter,
+                                    backup_address=lambda: self.reporter.mirror_store)
         self.reporter.emit(ev.WORKER_READY, step=0, seconds=round(time.time() - started, 4),
                            backend=self.backend, pid=os.getpid(), joining=self.joining)
 
@@ -348,16 +350,9 @@ class Runtime:
         self._mirror_rng(self.committed_step, self._commit_rng)
 
     def _mirror_rng(self, step: int, state: dict[str, Any] | None = None) -> None:
-        """Keep this rank's RNG state for ``step`` in the job's store, where a replacement finds it
-        even when this process and its node are gone (a few KB per step)."""
-        key = f"{self.store_prefix}/rng/{self.rank}"
-        data = rng_to_bytes(state if state is not None else capture_rng())
-        if self._mirrored == (step, data):
-            return  # the pre-vote mirror of this step already holds exactly this state
-        self.store.set(f"{key}/{step}", data)
-        if self._mirrored[0] != step and step - RNG_MIRROR_KEEP >= 0:
-            self.store.delete_key(f"{key}/{step - RNG_MIRROR_KEEP}")
-        self._mirrored = (step, data)
+        """Keep this rank's RNG state for ``step`` where a replacement finds it even when this
+        process and its node are gone (a few KB per step; runtime/rng_mirror.py)."""
+        self.rng_mirror.write(step, rng_to_bytes(state if state is not None else capture_rng()))
 
     # ------------------------------------------------------------- recovery
 
@@ -396,6 +391,8 @@ class Runtime:
                 self._dump(plan)
             if plan.action != PLAN_RESUME:
                 self._park(plan)
+            if plan.store:
+                self._follow_store(plan.store)
             self.generation = plan.generation
             self.reporter.generation = plan.generation
             self.members = list(plan.members) if plan.members else list(range(plan.world_size or self.world_size))
@@ -415,6 +412,20 @@ class Runtime:
                            source_rank=plan.source_rank, received=self.rank in plan.receivers,
                            wait_for_plan=round(planned - started, 4), rebuild=round(rebuilt - planned, 4),
                            repair=round(time.time() - rebuilt, 4), total=round(time.time() - started, 4))
+
+    def _follow_store(self, address: str) -> None:
+        """Meet the next generation in the store the plan names: after a controller failover it
+        is the new controller's (the old one died with its node)."""
+        if self._store_address is None:
+            return
+        host, port = parse_address(address)
+        if (host, port) == self._store_address:
+            return
+        self._store_address = (host, port)
+        self.store = connect_store(host, port, self.spec.start_timeout)
+        self.rng_mirror.use_store(self.store)
+        self.checkpoints.store_moved()
+        self.reporter.emit(ev.STORE_MOVED, step=self.committed_step, store=address)
 
     def _apply_members(self) -> None:
         """Give the models and loaders this rank's share of the step for the current members: the
@@ -464,7 +475,7 @@ class Runtime:
             received = group.recv_bytes(self.members.index(plan.source_rank))
             self._load_replica_state(_from_bytes(received, self.device))
             self._has_state = True
-            rng = self._mirrored_rng(plan.target_step)
+            rng = self.rng_mirror.read(plan.target_step, fallbacks=plan.rng_stores)
         else:
             for loader, state in zip(self.loaders, self._commit_loaders, strict=True):
                 loader.load_state_dict(state)
@@ -499,13 +510,6 @@ class Runtime:
                 self.statefuls[name].load_state_dict(stateful_state)
         self.committed_step = state["committed_step"]
 
-    def _mirrored_rng(self, step: int, rank: int | None = None) -> dict[str, Any]:
-        key = f"{self.store_prefix}/rng/{self.rank if rank is None else rank}/{step}"
-        if not self.store.check([key]):
-            self.reporter.emit(ev.RNG_NOT_MIRRORED, step=step, key=key)
-            return {}
-        return rng_from_bytes(self.store.get(key))
-
     def _dump(self, plan: Plan) -> None:
         """The dying checkpoint: the chosen replica writes the committed state; everyone else waits."""
         if self.rank != plan.source_rank:
@@ -519,7 +523,7 @@ class Runtime:
         members = plan.members or list(range(self.world_size))
         for rank in members:
             records.append(save_object(staging, rank_state_file(rank),
-                                       {"rng": self._mirrored_rng(step, rank), "statefuls": {}}))
+                                       {"rng": self.rng_mirror.read(step, rank, plan.rng_stores), "statefuls": {}}))
         committed = commit(root, staging, step=step, generation=plan.generation, world_size=len(members),
                            files=records, meta={"dump": True, "node": self.node, "members": members},
                            keep=self.spec.checkpoint.keep)
@@ -529,8 +533,8 @@ class Runtime:
     # ------------------------------------------------------------- checkpoints
 
     @property
-    def checkpoint_root(self) -> Path:
-        return Path(self.spec.checkpoint.dir) if self.spec.checkpoint.dir else self.run_dir / "checkpoints"
+    def checkpoint_root(self) -> Location:
+        return root_location(self.spec.checkpoint.dir) if self.spec.checkpoint.dir else self.run_dir / "checkpoints"
 
     @functools.cached_property
     def checkpoints(self) -> CheckpointEngine:

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from undying.client import ControllerClient, ControllerUnreachable
+from undying.controller.ha import locator_from_env
 from undying.events import Event
 from undying.protocol import (
     PHASE_STARTING,
@@ -47,9 +48,11 @@ class Reporter:
         self.phase = PHASE_STARTING
         self.loss: float | None = None
         self.abort_generation = 0  # the newest generation the controller told us to abandon
+        self.mirror_store = ""  # failover jobs: a second store for the RNG mirror (from heartbeat replies)
         self._address = address
         self._token = token
-        self._client = ControllerClient(address, token) if address else None
+        self._locator = locator_from_env(os.environ)  # failover jobs: follow the controller when it moves
+        self._client = ControllerClient(address, token, locator=self._locator) if address else None
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._beat_forever, name="undying-heartbeat", daemon=True)
@@ -72,12 +75,14 @@ class Reporter:
 
     def _beat_forever(self) -> None:
         assert self._address is not None
-        client = ControllerClient(self._address, self._token, timeout=max(2.0, self.interval * 3))
+        client = ControllerClient(self._address, self._token, timeout=max(2.0, self.interval * 3),
+                                  locator=self._locator)
         while not self._closed:
             beat = Heartbeat(self.rank, self.node, self.generation, self.step, self.phase, os.getpid(), self.loss)
             try:
                 reply = HeartbeatReply.from_dict(client.post(ROUTE_WORKER_HEARTBEAT, beat.to_dict()))
                 self.abort_generation = max(self.abort_generation, reply.abort_generation)
+                self.mirror_store = reply.mirror_store
             except ControllerUnreachable:
                 pass
             time.sleep(PROGRESS_MIN_SPACING)

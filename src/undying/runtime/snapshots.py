@@ -24,9 +24,11 @@ from undying import events as ev
 from undying.checkpoint import (
     CommittedCheckpoint,
     CorruptCheckpoint,
+    Location,
     latest_verified,
     list_committed,
     load_object,
+    make_root,
     remove_stale_partials,
 )
 from undying.checkpoint.dcp_format import is_dcp_shard, optimizer_param_names, read_shared_shard
@@ -175,6 +177,12 @@ class CheckpointEngine:
                                   stall=None if stall is None else round(stall, 6), waited=round(waited, 4),
                                   snapshots_skipped=self.snapshots.skipped)
 
+    def store_moved(self) -> None:
+        """The job's store moved (controller failover): the persister exchanges records in the new one."""
+        rt = self.rt
+        if self._persister is not None and rt._store_address is not None:
+            self._persister.store = connect_store(*rt._store_address, rt.spec.start_timeout)
+
     def _ensure_persister(self) -> Persister:
         if self._persister is None:
             rt = self.rt
@@ -254,14 +262,14 @@ class CheckpointEngine:
     def _choose(self, held: list[set[int]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Rank 0: the plan every rank follows, and (for storage) the shared shard it already read."""
         root = self.rt.checkpoint_root
-        root.mkdir(parents=True, exist_ok=True)
+        make_root(root)
         remove_stale_partials(root, self.rt.generation)
         memory_step = max(set.intersection(*held), default=-1) if held else -1
         listed = list_committed(root)
         if memory_step >= 0 and (not listed or memory_step >= listed[0].step):
             return {"source": SOURCE_MEMORY, "step": memory_step}, None  # T2 need not even be read
 
-        def corrupt(path: Path, reason: str) -> None:
+        def corrupt(path: Location, reason: str) -> None:
             self.rt.reporter.emit(ev.CHECKPOINT_CORRUPT, path=str(path), reason=reason)
 
         older_than: int | None = None

@@ -1,0 +1,181 @@
+"""One node of a job whose controller fails over (``undying run --etcd HOST:PORT --job-name NAME``).
+
+Runs in the ``undying run`` process of every node: a controller candidate (a thread)
+and the node's agent (the main thread). Candidates campaign for an etcd lease
+(controller/ha.py); the winner starts a controller, its HTTP endpoint and a store,
+publishes their addresses in etcd and saves the controller's state there at every
+change. When the leader's node dies (or it loses etcd for a lease's length), its
+lease expires, another node's candidate wins, loads the saved state and carries on:
+a running generation keeps running, the dead node is lost like any other node and
+recovered by the job's strategy chain. Agents and workers find the controller, and
+the store of each new generation, through etcd, so rank 0 and the controller's node
+are recoverable like any other. Stopping one node's ``undying run`` never ends the
+job (``undying stop`` does); its exit code is the job's outcome as saved in etcd.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+
+from undying import events as ev
+from undying.agent import Agent
+from undying.controller import Controller, ControllerServer, JobState, JobStore
+from undying.controller.etcd import EtcdClient, EtcdUnavailable
+from undying.controller.ha import ENV_ETCD, ENV_HA_JOB, Candidate, job_prefix, locate_controller
+from undying.events import EventLog
+from undying.launcher import LaunchOptions, emit_job_start, print_event
+from undying.shm import remove_job_dir
+
+BACKUP_REFRESH_S = 1.0
+EXIT_BY_STATE = {JobState.SUCCEEDED.value: 0, JobState.FAILED.value: 1, JobState.CANCELLED.value: 130}
+
+
+def _saved_state(endpoint: str, job: str) -> dict | None:
+    client = EtcdClient(endpoint)
+    try:
+        record = client.get(f"{job_prefix(job)}/state")
+    finally:
+        client.close()
+    import json
+
+    return None if record is None else json.loads(record.value)
+
+
+class ControllerCandidate(threading.Thread):
+    """Campaigns for the job's leadership and, while leading, runs the controller."""
+
+    def __init__(self, options: LaunchOptions, token: str, initial: dict | None) -> None:
+        super().__init__(name="controller-candidate", daemon=True)
+        assert options.etcd and options.job_name
+        self.options = options
+        self.token = token
+        self.stop = threading.Event()
+        self.exit_code: int | None = None  # set when this node's controller ended the job
+        # The job this process was started for: a finished state of an earlier job with the same
+        # name may be replaced; a finished state of any other job is ours having ended.
+        self.initial_job = initial.get("job_id") if initial and JobState(initial["state"]).terminal else None
+        bind = options.controller_bind
+        self.advertise = socket.gethostname() if bind in ("0.0.0.0", "::") else bind
+        self.store: JobStore | None = None
+
+    def run(self) -> None:
+        spec = self.options.spec
+        # A warm candidate: torch.distributed imported and the store listening before it is needed.
+        self.store = JobStore(self.options.controller_bind, timeout=spec.start_timeout)
+        host = f"[{self.advertise}]" if ":" in self.advertise else self.advertise
+        while not self.stop.is_set():
+            candidate = Candidate(self.options.etcd or "", self.options.job_name or "", self.options.lease_ttl,
+                                  node=self.options.node_rank if self.options.node_rank is not None else -1,
+                                  store=f"{host}:{self.store.port}")
+            if not candidate.campaign(self.stop):
+                return
+            if self._lead(candidate):
+                return
+
+    def _lead(self, candidate: Candidate) -> bool:
+        """Run the controller while we lead; True when the job ended here (or is over)."""
+        assert self.store is not None
+        options, spec = self.options, self.options.spec
+        saved = candidate.load_state()
+        if saved is not None and JobState(saved["state"]).terminal:
+            if saved.get("job_id") != self.initial_job:
+                candidate.resign()  # our job is over; whoever ended it already told the agents
+                return True
+            saved = None  # an earlier job that used the same name: start afresh
+        events = EventLog(options.run_dir)
+        if not options.quiet:
+            events.add_listener(print_event)
+        job_id = saved["job_id"] if saved else secrets.token_hex(6)
+        controller = Controller(spec, events, job_id, self.store.port, options.injections_text,
+                                store_host=self.advertise, save_state=candidate.save_state)
+        server = ControllerServer(controller, self.token, options.controller_bind, 0)
+
+        def deposed() -> None:
+            controller.depose()
+
+        candidate.on_lost = deposed
+        if saved is not None:
+            controller.resume(saved, why="the previous leader's etcd lease expired")
+        server.start()
+        host = f"[{self.advertise}]" if ":" in self.advertise else self.advertise
+        address = f"{host}:{server.port}"
+        candidate.publish(address, controller.store_address, epoch=int(time.time() * 1000))
+        controller.emit(ev.CONTROLLER_LEADER, node=options.node_rank, details={
+            "controller": address, "store": controller.store_address, "candidate": candidate.id,
+            "pid": os.getpid(), "resumed": saved is not None})
+        if saved is None:
+            emit_job_start(controller, options, address, self.store.port, job_id)
+        threading.Thread(target=self._name_backup_store, args=(candidate, controller), daemon=True,
+                         name="backup-store").start()
+        exit_code = controller.run()
+        if exit_code is None:
+            controller.emit(ev.CONTROLLER_DEPOSED, node=options.node_rank,
+                            details={"why": candidate.lost_reason or "lost the etcd lease"})
+            server.stop()
+            events.close()
+            return False  # campaign again: we may lead later
+        self.exit_code = exit_code
+        remove_job_dir(job_id)
+        server.stop()
+        candidate.resign()
+        events.close()
+        return True
+
+
+    @staticmethod
+    def _name_backup_store(candidate: Candidate, controller: Controller) -> None:
+        """Keep naming a live candidate's store on another node as the workers' second RNG mirror."""
+        while candidate.leading.is_set() and not controller.state.terminal:
+            controller.backup_store = candidate.backup_store()
+            time.sleep(BACKUP_REFRESH_S)
+
+
+def wait_for_leader(endpoint: str, job: str, timeout: float) -> str | None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        address = locate_controller(endpoint, job)
+        if address:
+            return address
+        time.sleep(0.1)
+    return None
+
+
+def run_ha_node(options: LaunchOptions) -> int:
+    """This node's part of a failover job; returns the job's exit code as saved in etcd."""
+    if not options.token or options.node_rank is None or not options.etcd or not options.job_name:
+        print("undying: error: --etcd needs --job-name, --node-rank and --token-file", file=sys.stderr)
+        return 2
+    options.run_dir.mkdir(parents=True, exist_ok=True)
+    (options.run_dir / "logs").mkdir(exist_ok=True)
+    os.environ[ENV_ETCD] = options.etcd  # the agent's workers inherit it: they follow the controller too
+    os.environ[ENV_HA_JOB] = options.job_name
+    try:
+        initial = _saved_state(options.etcd, options.job_name)
+    except EtcdUnavailable as error:
+        print(f"undying: error: {error}", file=sys.stderr)
+        return 2
+    candidate = ControllerCandidate(options, options.token, initial)
+    candidate.start()
+    address = wait_for_leader(options.etcd, options.job_name, options.spec.node_return_timeout)
+    if address is None:
+        candidate.stop.set()
+        print(f"undying: error: no controller of job {options.job_name} appeared in etcd "
+              f"{options.etcd} within node_return_timeout", file=sys.stderr)
+        return 1
+    agent = Agent(options.node_rank, options.spec, address, options.token, options.run_dir, options.command,
+                  options.injections_text, spare=options.standby_agents > 0)
+    agent_code = agent.run()
+    candidate.stop.set()
+    candidate.join()
+    if candidate.exit_code is not None:
+        return candidate.exit_code
+    try:
+        final = _saved_state(options.etcd, options.job_name)
+    except EtcdUnavailable:
+        return agent_code
+    return EXIT_BY_STATE.get(final["state"], agent_code) if final else agent_code

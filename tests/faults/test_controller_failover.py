@@ -1,0 +1,134 @@
+"""Controller failover with real processes: every node runs ``undying run --etcd``, the node that
+hosts the controller (and rank 0) is SIGKILLed mid-training, another node's candidate takes over
+from the state saved in etcd, the lost node's ranks are recovered onto a spare, the surviving ranks
+keep their processes, and the final parameters are bitwise equal to a fault-free run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    BASE_ARGS,
+    EXAMPLE,
+    MARK_ENV,
+    REPO,
+    STEPS,
+    EtcdServer,
+    JobRun,
+    run_job,
+    undying_command,
+    wait_no_processes,
+)
+from undying import events as ev
+from undying.controller.ha import locate_controller
+
+pytestmark = pytest.mark.faults
+
+PROCESS_LEVEL = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
+                 "--recover-strategy", "retry,recover-in-place,recover,dump"]
+TOKEN = "failover-test-token-0123456789"
+
+
+# Dropout draws random numbers every step: bitwise equality needs each replaced rank's exact RNG
+# state, which died with the controller's node and its store (the backup store keeps a copy).
+SCRIPT_ARGS = ["--dropout", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def dropout_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
+    run = run_job(tmp_path_factory.mktemp("dropout-reference"), script_args=SCRIPT_ARGS)
+    assert run.returncode == 0, run.output + run.logs()
+    return run
+
+
+def start_node(run_dir: Path, etcd: str, job: str, node: int, mark: str, extra: list[str]) -> subprocess.Popen:
+    token_file = run_dir / "token"
+    token_file.write_text(TOKEN)
+    env = dict(os.environ, **{MARK_ENV: mark, "PYTHONUNBUFFERED": "1"})
+    command = undying_command(["run", *BASE_ARGS, "--run-dir", str(run_dir), "--node-rank", str(node),
+                               "--etcd", etcd, "--job-name", job, "--lease-ttl", "2",
+                               "--token-file", str(token_file), *extra, str(EXAMPLE), "--steps", str(STEPS),
+                               *SCRIPT_ARGS])
+    log = open(run_dir / f"node{node}.out", "w")  # noqa: SIM115 - the child's
+    # Its own session: killing the node's process group is the node dying (controller included).
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            start_new_session=True)
+
+
+def run_failover_job(run_dir: Path, etcd: EtcdServer, extra: list[str], spares: int = 1,
+                     timeout: float = 240) -> tuple[JobRun, dict[int, int]]:
+    """Node 0 first (it wins the election), then node 1 and the spares; returns each node's exit code."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job, mark = f"test-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    processes = {0: start_node(run_dir, etcd.endpoint, job, 0, mark, extra)}
+    deadline = time.time() + 60
+    while locate_controller(etcd.endpoint, job) is None:
+        assert time.time() < deadline and processes[0].poll() is None, (run_dir / "node0.out").read_text()
+        time.sleep(0.1)
+    for node in (1, *range(2, 2 + spares)):
+        processes[node] = start_node(run_dir, etcd.endpoint, job, node, mark,
+                                     ["--standby", "1"] * (node >= 2) + extra)
+    codes = {}
+    try:
+        for node, process in processes.items():
+            codes[node] = process.wait(timeout=max(1.0, deadline + timeout - time.time()))
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    output = "\n".join(f"===== node{n}.out\n{(run_dir / f'node{n}.out').read_text()[-3000:]}" for n in processes)
+    assert not wait_no_processes(mark), "processes left behind"
+    return JobRun(codes[1], output, run_dir, mark), codes
+
+
+def test_killed_controller_node_with_rank0_fails_over_and_recovers(dropout_reference: JobRun,
+                                                                     etcd_server: EtcdServer, tmp_path: Path) -> None:
+    reference_run = dropout_reference
+    run, codes = run_failover_job(tmp_path, etcd_server, [*PROCESS_LEVEL, "--inject", "node:node=0:step=10"])
+    assert codes[0] == -signal.SIGKILL, run.output
+    assert codes[1] == 0 and codes[2] == 0, run.output + run.logs()
+    assert run.result["final_step"] == STEPS
+    assert run.result["param_sha256"] == reference_run.result["param_sha256"]
+    leaders = run.kinds(ev.CONTROLLER_LEADER)
+    assert [e.details["resumed"] for e in leaders] == [False, True]
+    assert leaders[0].node == 0 and leaders[1].node in (1, 2), leaders
+    takeover = run.kinds(ev.CONTROLLER_TAKEOVER)[0]
+    assert takeover.details["previous_state"] == "running"
+    # The takeover kept the generation running: node 0 was lost and recovered onto the spare,
+    # no job-level restart, and ranks 2 and 3 kept their processes.
+    assert not run.kinds(ev.RESTART_BEGIN), run.output
+    assert run.kinds(ev.STANDBY_ADOPT)[0].node == 0
+    plan = run.kinds(ev.RECOVERY_PLAN)[-1]
+    assert plan.details["strategy"] == "recover" and sorted(plan.details["receivers"]) == [0, 1]
+    first = {e.rank: e.details["pid"] for e in run.kinds(ev.WORKER_READY) if e.generation == 1}
+    recovered = {e.rank: e.details["pid"] for e in run.kinds(ev.RECOVERED)}
+    assert recovered[2] == first[2] and recovered[3] == first[3]
+    assert recovered[0] != first[0] and recovered[1] != first[1]
+    # The survivors met the new generation in the new controller's store.
+    moved = {e.rank: e.details["store"] for e in run.kinds(ev.STORE_MOVED)}
+    assert set(moved) == {2, 3} and set(moved.values()) == {leaders[1].details["store"]}
+    # Ranks 0 and 1 resumed with their exact RNG state, from the backup store.
+    assert not run.kinds(ev.RNG_NOT_MIRRORED), run.kinds(ev.RNG_NOT_MIRRORED)
+    # Every committed step's samples: each step exactly once per rank, none lost at the failover.
+    samples, expected = run.samples(), reference_run.samples()
+    assert sorted(samples) == list(range(STEPS)) == sorted(expected)
+    for step, records in samples.items():
+        assert sorted(r["rank"] for r in records) == [0, 1, 2, 3], f"step {step}: {records}"
+        assert {r["rank"]: r["loaders"] for r in records} == {r["rank"]: r["loaders"] for r in expected[step]}
+
+
+def test_a_finished_job_is_not_taken_over(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """After the end, the other candidates see the finished state and exit with the job's outcome."""
+    run, codes = run_failover_job(tmp_path, etcd_server, ["--set", "process_recover=true",
+                                                          "--recover-strategy", "recover"], spares=0)
+    assert codes == {0: 0, 1: 0}, run.output
+    assert len(run.kinds(ev.CONTROLLER_LEADER)) == 1
+    assert json.loads((tmp_path / "result.json").read_text())["final_step"] == STEPS

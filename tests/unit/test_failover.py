@@ -1,0 +1,133 @@
+"""Controller failover pieces: the etcd election (real etcd on loopback) and a controller that
+resumes a job from another controller's saved state (in-process, the test plays agents/workers)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EtcdServer
+from tests.unit.test_controller import WAIT, Job
+from undying import events as ev
+from undying.controller.core import Controller
+from undying.controller.etcd import EtcdClient
+from undying.controller.ha import Candidate, locate_controller
+from undying.controller.state import JobState
+from undying.events import read_events
+from undying.protocol import ORDER_NONE, ORDER_STOP, InjectionClaim, RecoverRequest
+
+RECOVERABLE = {"nnodes": 2, "nproc_per_node": 2, "process_recover": True, "recover_strategy": ["recover-in-place", "recover"],
+               "pod_rescheduling": "on"}
+
+
+def successor(run_dir: Path, saved: dict, **spec_fields: object) -> Job:
+    """A second controller (as on another node) that takes over from ``saved``."""
+    job = Job(run_dir, **{**RECOVERABLE, **spec_fields})
+    job.controller.resume(saved, why="test")
+    return job
+
+
+def kinds(run_dir: Path, kind: str) -> list[ev.Event]:
+    return [event for event in read_events(run_dir) if event.kind == kind]
+
+
+def test_a_resumed_controller_keeps_the_generation_running_and_loses_the_silent_node(tmp_path: Path) -> None:
+    first = Job(tmp_path / "a", **RECOVERABLE)
+    first.start_running()
+    for rank in range(4):
+        first.beat(rank, 7)
+    saved = first.controller.export_state()
+    assert (saved["state"], saved["generation"], saved["members"]) == ("running", 1, [0, 1, 2, 3])
+
+    job = successor(tmp_path / "b", saved)
+    job.start()
+    assert job.controller.generation == 1 and job.controller.state is JobState.RUNNING
+    # Rank 2 saw its all-reduce fail (rank 0 went with the old controller's node) and checks in at
+    # once; node 1's agent polls. Node 0 stays silent: it died with the old leader.
+    deadline = time.time() + WAIT + 3
+    while not kinds(tmp_path / "b", ev.DECISION) and time.time() < deadline:
+        job.controller.recover(RecoverRequest(2, 1, 1, 7, 2002, "allreduce failed", wait=0.0))
+        order = job.poll(1, 1, job.statuses(1, 1), wait=0.05)
+        assert order.kind == ORDER_NONE, order  # node 1's workers keep running
+        job.beat(3, 7)
+    lost = kinds(tmp_path / "b", ev.AGENT_LOST)
+    assert [event.node for event in lost] == [0]
+    assert "since the controller failed over" in lost[0].details["why"]
+    decision = kinds(tmp_path / "b", ev.DECISION)[0]
+    # Decided on the real fault (the node), not on rank 2's failed step seen first.
+    assert decision.details["strategy"] == "recover" and decision.details["lost_ranks"] == [0, 1]
+    assert kinds(tmp_path / "b", ev.CONTROLLER_TAKEOVER)[0].details["previous_state"] == "running"
+
+
+def test_a_controller_that_takes_over_a_recovery_restarts_the_job(tmp_path: Path) -> None:
+    first = Job(tmp_path / "a", **RECOVERABLE)
+    first.start_running()
+    saved = {**first.controller.export_state(), "state": JobState.RECOVERING.value}
+    job = successor(tmp_path / "b", saved)
+    assert job.controller.state is JobState.STOPPING
+    assert job.controller.restart_count == 1
+    job.start()
+    assert job.next_order(0, 1, job.statuses(0, 1)).kind == ORDER_STOP
+
+
+def test_an_injection_claimed_before_the_failover_is_not_granted_again(tmp_path: Path) -> None:
+    first = Job(tmp_path / "a", **RECOVERABLE)
+    first.start_running()
+    assert first.controller.claim_injection(InjectionClaim(0, 0, 0, 1, 10))
+    job = successor(tmp_path / "b", first.controller.export_state())
+    assert not job.controller.claim_injection(InjectionClaim(0, 0, 0, 1, 10))
+
+
+def test_a_controller_that_cannot_save_its_state_stops_deciding(tmp_path: Path) -> None:
+    """A fenced write refused (another candidate leads now): run() returns None, nothing more is decided."""
+    job = Job(tmp_path, **RECOVERABLE)
+    job.controller.save_state = lambda state: False
+    for node in range(2):
+        job.hello(node)
+    job.start()
+    deadline = time.time() + WAIT
+    while job.exit_code is None and job._thread.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not job._thread.is_alive() and job.exit_code is None
+    assert job.controller.deposed
+
+
+def test_one_leader_at_a_time_and_a_takeover_when_its_lease_expires(etcd_server: EtcdServer) -> None:
+    job = f"unit-{time.time_ns()}"
+    lost: list[str] = []
+    first = Candidate(etcd_server.endpoint, job, ttl=2, on_lost=lambda: lost.append("first"))
+    stop = threading.Event()
+    assert first.campaign(stop)
+    first.publish("127.0.0.1:1111", "127.0.0.1:2222", epoch=1)
+    assert first.save_state({"state": "running"})
+    assert locate_controller(etcd_server.endpoint, job) == "127.0.0.1:1111"
+
+    second = Candidate(etcd_server.endpoint, job, ttl=2)
+    won = threading.Event()
+    runner = threading.Thread(target=lambda: second.campaign(stop) and won.set(), daemon=True)
+    runner.start()
+    time.sleep(1.5)
+    assert not won.is_set(), "two leaders at once"
+    # The first leader's process freezes: its lease is no longer renewed and expires.
+    first._stop.set()
+    assert won.wait(10), "no takeover after the lease expired"
+    second.publish("127.0.0.1:3333", "127.0.0.1:4444", epoch=2)
+    assert locate_controller(etcd_server.endpoint, job) == "127.0.0.1:3333"
+    # The deposed leader wakes up: its fenced write is refused and it learns it lost.
+    assert not first.save_state({"state": "failed"})
+    assert lost == ["first"]
+    client = EtcdClient(etcd_server.endpoint)
+    assert '"running"' in client.get(f"/undying/{job}/state").value
+    second.resign()
+    assert locate_controller(etcd_server.endpoint, job) is None
+    stop.set()
+
+
+def test_a_controller_is_constructed_without_failover_by_default(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    assert isinstance(job.controller, Controller) and job.controller.save_state is None
+    with pytest.raises(KeyError):
+        job.controller.resume({}, why="nothing saved")
