@@ -60,6 +60,10 @@ from undying.standby import can_serve
 ENV_DIE_WITH_PARENT = "UNDYING_AGENT_DIE_WITH_PARENT"
 ENV_WARM = "UNDYING_WARM_STANDBY"  # "1" in a worker that started as a warm standby
 STANDBY_DELAY = 5.0  # seconds after a start before the node pre-starts its warm standby
+# A long poll answers within monitor_interval; this much longer and the controller is taken for gone
+# (a frozen controller accepts connections and never answers): in a failover job the agent then
+# looks for the new leader, well before the new leader gives up on this node.
+POLL_MARGIN = 2.0
 
 
 class AgentStopped(Exception):
@@ -143,6 +147,13 @@ class Agent:
                 continue
             if not reply.accepted:
                 raise SystemExit(f"undying agent {self.node}: controller refused: {reply.reason}")
+            if reply.node >= 0 and reply.node != self.node:
+                # Our node's place was taken by a spare while we were away: we are a spare now.
+                print(f"undying agent {self.node}: node {self.node} is served by a spare now; "
+                      f"joining as spare {reply.node}", file=sys.stderr, flush=True)
+                self._stop_workers(grace=0.0)
+                self.node, self.spare, self.standby_target = reply.node, True, self.spec.nproc_per_node
+                self.workers, self.worker_generations, self.local_ranks = {}, {}, {}
             self.job_id = reply.job_id
             if self.spare and self.spec.warm_standby and not self.standbys:
                 # Idle until needed: have the replacement interpreter ready before that.
@@ -163,10 +174,10 @@ class Agent:
         while True:
             self._keep_standby()
             poll = AgentPoll(self.node, self.generation, [s.to_dict() for s in self._statuses()],
-                             wait=self.spec.monitor_interval)
+                             wait=self.spec.monitor_interval, pid=os.getpid())
             try:
                 order = Order.from_dict(self.client.post(ROUTE_AGENT_POLL, poll.to_dict(),
-                                                         timeout=self.spec.monitor_interval + 10))
+                                                         timeout=self.spec.monitor_interval + POLL_MARGIN))
                 unreachable_since = None
             except ControllerUnreachable:
                 # Without a controller nobody can make decisions: do not train on forever.
@@ -304,7 +315,8 @@ class Agent:
         status = [s.to_dict() for s in self._statuses() if s.rank == rank]
         client = ControllerClient(self.controller_address, self.token, timeout=5.0, locator=self.locator)
         try:
-            client.post(ROUTE_AGENT_REPORT, AgentPoll(self.node, self.generation, status, wait=0.0).to_dict())
+            client.post(ROUTE_AGENT_REPORT, AgentPoll(self.node, self.generation, status, wait=0.0,
+                                                              pid=os.getpid()).to_dict())
         except (ControllerUnreachable, Unauthorized):
             pass  # the next poll carries the same status
         finally:

@@ -75,7 +75,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--controller-bind", default="127.0.0.1",
                         help="address the controller and its store listen on (default loopback only)")
     parser.add_argument("--token-file", help="file holding the job's secret token (multi-node)")
-    parser.add_argument("--etcd", metavar="HOST:PORT",
+    parser.add_argument("--etcd", metavar="HOST:PORT[,...]",
                         help="controller failover: every node runs a controller candidate, the leader is "
                              "elected by an etcd lease and keeps the job's state there (needs --job-name, "
                              "--node-rank, --token-file)")
@@ -113,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir")
     report.add_argument("-o", "--output", help="SVG path (default RUN_DIR/timeline.svg)")
     status = commands.add_parser("status", help="ask a running job's controller for its status")
-    status.add_argument("--controller", required=True)
+    status.add_argument("--controller", help="HOST:PORT of the controller")
+    status.add_argument("--etcd", metavar="HOST:PORT[,...]", help="a failover job: find its leader in etcd")
+    status.add_argument("--job-name", help="with --etcd: the job's name")
     status.add_argument("--token-file", required=True)
     return parser
 
@@ -178,8 +180,8 @@ def command_run(args: argparse.Namespace) -> int:
             fail(f"--job-name: allowed 1-64 letters, digits, '.', '_' or '-' (got {args.job_name!r})")
         if args.lease_ttl < 2:
             fail(f"--lease-ttl: allowed 2 s or more (got {args.lease_ttl})")
-        if not re.fullmatch(r"\[?[^\s/]+\]?:\d{1,5}", args.etcd):
-            fail(f"--etcd: allowed HOST:PORT (got {args.etcd!r})")
+        if not re.fullmatch(r"\[?[^\s/,]+\]?:\d{1,5}(,\[?[^\s/,]+\]?:\d{1,5})*", args.etcd):
+            fail(f"--etcd: allowed HOST:PORT, or several comma-separated (an etcd cluster) (got {args.etcd!r})")
     elif args.node_rank is not None and args.node_rank > 0 and not args.controller:
         fail("--controller HOST:PORT is required on nodes other than 0")
     options = LaunchOptions(
@@ -204,11 +206,20 @@ def command_report(args: argparse.Namespace) -> int:
 
 def command_status(args: argparse.Namespace) -> int:
     from undying.client import ControllerClient, ControllerUnreachable, Unauthorized
+    from undying.controller.ha import locate_controller
 
     token = read_token(args.token_file)
     assert token is not None
+    address = args.controller
+    if address is None:
+        if not args.etcd or not args.job_name:
+            fail("status: give --controller HOST:PORT, or --etcd HOST:PORT with --job-name")
+        address = locate_controller(args.etcd, args.job_name)
+        if address is None:
+            print(f"undying: error: no leader of job {args.job_name} in etcd {args.etcd}", file=sys.stderr)
+            return 1
     try:
-        status = ControllerClient(args.controller, token).get("/status")
+        status = ControllerClient(address, token).get("/status")
     except (ControllerUnreachable, Unauthorized, ValueError) as error:
         print(f"undying: error: {error}", file=sys.stderr)
         return 1

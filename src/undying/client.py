@@ -15,6 +15,10 @@ from typing import Any
 
 from undying.protocol import PROTOCOL_VERSION, TOKEN_HEADER, TOKEN_SCHEME, VERSION_HEADER
 
+# Failover jobs: old controller address -> where it moved, shared by every client of this process,
+# so a request on one thread follows a move another thread found (instead of timing out first).
+_MOVED: dict[str, str] = {}
+
 
 class ControllerUnreachable(ConnectionError):
     """The controller did not answer (down, restarting, or the network is cut)."""
@@ -49,10 +53,20 @@ class ControllerClient:
         address = self.locator() if self.locator is not None else None
         if not address or address == self.address:
             return False
+        _MOVED[self.address] = address
+        self._move_to(address)
+        return True
+
+    def _move_to(self, address: str) -> None:
         self.close()
         self.host, self.port = parse_address(address)
         self.address = address
-        return True
+
+    def _follow_known_move(self) -> None:
+        seen = set()
+        while self.locator is not None and self.address in _MOVED and self.address not in seen:
+            seen.add(self.address)
+            self._move_to(_MOVED[self.address])
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         if self._conn is None:
@@ -76,6 +90,7 @@ class ControllerClient:
             "Content-Type": "application/json",
         }
         wait = self.timeout if timeout is None else timeout
+        self._follow_known_move()
         attempt = 0
         while True:
             conn = self._connection(wait)
@@ -83,6 +98,9 @@ class ControllerClient:
                 conn.request(method, path, body=body, headers=headers)
                 response = conn.getresponse()
                 data = response.read()
+                if response.status == 503 and attempt < 3 and self._relocate():
+                    attempt += 1  # a deposed controller (failover): ask the new one
+                    continue
                 break
             except (OSError, http.client.HTTPException) as error:
                 self.close()

@@ -99,6 +99,7 @@ class ControllerCandidate(threading.Thread):
             controller.depose()
 
         candidate.on_lost = deposed
+        controller.in_charge = candidate.in_charge
         if saved is not None:
             controller.resume(saved, why="the previous leader's etcd lease expired")
         server.start()

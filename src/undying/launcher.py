@@ -65,7 +65,6 @@ class LocalAgents:
         self.job_id = ""  # set by launch(): names the job's node shared-memory directories
         self._lock = threading.Lock()
         self._closing = False
-        self._next_spare_id = options.spec.nnodes
 
     def start(self, node: int, spare: bool = False) -> None:
         """Start node's agent and a thread that respawns it whenever it dies (until the job ends).
@@ -77,10 +76,8 @@ class LocalAgents:
         threading.Thread(target=self._keep_alive, args=(node, spare), name=f"agent{node}", daemon=True).start()
 
     def new_spare_id(self) -> int:
-        with self._lock:
-            spare_id = self._next_spare_id
-            self._next_spare_id += 1
-            return spare_id
+        assert self.controller is not None
+        return self.controller.reserve_spare_id()  # one allocator: ids are never reused
 
     def _spawn(self, node: int, spare: bool = False) -> subprocess.Popen[bytes]:
         env = dict(os.environ)

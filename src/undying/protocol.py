@@ -100,6 +100,9 @@ class HelloReply(Message):
     store_port: int
     accepted: bool = True
     reason: str = ""
+    # -1: serve the node asked for. Else the agent joins as this spare node id: its node's place is
+    # held by the spare that adopted it while it was away (a partition healed, a frozen node woke up).
+    node: int = -1
 
 
 @dataclass
@@ -119,6 +122,7 @@ class AgentPoll(Message):
     generation: int  # the generation the agent's workers belong to (0: none started)
     workers: list[dict[str, Any]] = field(default_factory=list)  # WorkerStatus dicts
     wait: float = 1.0  # seconds the controller may hold the request open
+    pid: int = 0  # the agent's process: an agent the node's place no longer belongs to is told to say hello
 
 
 @dataclass

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from tests.conftest import (
 )
 from undying import events as ev
 from undying.controller.ha import locate_controller
+from undying.events import read_events
 
 pytestmark = pytest.mark.faults
 
@@ -63,9 +65,11 @@ def start_node(run_dir: Path, etcd: str, job: str, node: int, mark: str, extra: 
                             start_new_session=True)
 
 
-def run_failover_job(run_dir: Path, etcd: EtcdServer, extra: list[str], spares: int = 1,
-                     timeout: float = 240) -> tuple[JobRun, dict[int, int]]:
-    """Node 0 first (it wins the election), then node 1 and the spares; returns each node's exit code."""
+def run_failover_job(run_dir: Path, etcd: EtcdServer, extra: list[str], spares: int = 1, timeout: float = 240,
+                     during: Callable[[dict[int, subprocess.Popen]], None] | None = None,
+                     ) -> tuple[JobRun, dict[int, int]]:
+    """Node 0 first (it wins the election), then node 1 and the spares; ``during`` acts on the running
+    job (given each node's ``undying run`` process); returns each node's exit code."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job, mark = f"test-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     processes = {0: start_node(run_dir, etcd.endpoint, job, 0, mark, extra)}
@@ -78,6 +82,8 @@ def run_failover_job(run_dir: Path, etcd: EtcdServer, extra: list[str], spares: 
                                      ["--standby", "1"] * (node >= 2) + extra)
     codes = {}
     try:
+        if during is not None:
+            during(processes)
         for node, process in processes.items():
             codes[node] = process.wait(timeout=max(1.0, deadline + timeout - time.time()))
     finally:
@@ -132,3 +138,46 @@ def test_a_finished_job_is_not_taken_over(etcd_server: EtcdServer, tmp_path: Pat
     assert codes == {0: 0, 1: 0}, run.output
     assert len(run.kinds(ev.CONTROLLER_LEADER)) == 1
     assert json.loads((tmp_path / "result.json").read_text())["final_step"] == STEPS
+
+
+def wait_for_event(run_dir: Path, predicate: Callable[[ev.Event], bool], timeout: float = 120) -> ev.Event:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for event in read_events(run_dir):
+            if predicate(event):
+                return event
+        time.sleep(0.2)
+    raise AssertionError("the expected event did not come")
+
+
+def test_a_frozen_controller_node_is_replaced_and_comes_back_as_a_spare(dropout_reference: JobRun,
+                                                                        etcd_server: EtcdServer,
+                                                                        tmp_path: Path) -> None:
+    """SIGSTOP the leader's whole node (controller, agent, ranks 0-1) mid-training: the job fails
+    over and recovers onto the spare. SIGCONT it afterwards: the old controller finds it no longer
+    leads and decides nothing, its agent joins as a new spare, its stale workers are stopped."""
+
+    def freeze_node0(processes: dict[int, subprocess.Popen]) -> None:
+        wait_for_event(tmp_path, lambda e: e.kind == ev.HEARTBEAT and e.generation == 1 and (e.step or 0) >= 8)
+        os.killpg(processes[0].pid, signal.SIGSTOP)
+        try:
+            wait_for_event(tmp_path, lambda e: e.kind == ev.FIRST_STEP and (e.generation or 0) >= 2)
+        finally:
+            os.killpg(processes[0].pid, signal.SIGCONT)
+
+    run, codes = run_failover_job(tmp_path, etcd_server, PROCESS_LEVEL, during=freeze_node0)
+    assert codes == {0: 0, 1: 0, 2: 0}, run.output + run.logs()
+    assert run.result["final_step"] == STEPS
+    assert run.result["param_sha256"] == dropout_reference.result["param_sha256"]
+    assert not run.kinds(ev.RESTART_BEGIN), run.output
+    plan = run.kinds(ev.RECOVERY_PLAN)[-1]
+    assert plan.details["strategy"] == "recover" and sorted(plan.details["receivers"]) == [0, 1]
+    first = {e.rank: e.details["pid"] for e in run.kinds(ev.WORKER_READY) if e.generation == 1}
+    recovered = {e.rank: e.details["pid"] for e in run.kinds(ev.RECOVERED) if e.generation == plan.generation}
+    assert recovered[2] == first[2] and recovered[3] == first[3]
+    # The woken controller learnt it was deposed; its agent came back as spare 3, not as node 0.
+    assert [e.node for e in run.kinds(ev.CONTROLLER_DEPOSED)] == [0]
+    [returned] = [e for e in run.kinds(ev.AGENT_REGISTERED) if e.details.get("returned_node") == 0]
+    assert returned.node == 3 and returned.details["served_by"] == 2
+    # Nothing decided by the woken controller: one takeover, one recovery.
+    assert len(run.kinds(ev.CONTROLLER_TAKEOVER)) == 1 and len(run.kinds(ev.RECOVERY_BEGIN)) == 1

@@ -851,6 +851,14 @@ def test_a_spare_agent_holds_no_ranks_and_takes_a_lost_nodes_place(make_job):
     replace = job.next_order(1)
     assert (replace.kind, replace.ranks) == (ORDER_REPLACE, [2, 3])
     assert "2" not in job.controller.status()["nodes"]
+    # Node 1's own agent comes back (a frozen node woke up, a partition healed): the spare keeps
+    # serving node 1, and the returning agent joins as a new spare instead of evicting it.
+    returned = job.controller.hello(AgentHello(1, 5555, "host1", 2))
+    assert returned.accepted and returned.node == 3
+    nodes = job.controller.status()["nodes"]
+    assert nodes["1"]["pid"] == 1001 and nodes["1"]["alive"] and not nodes["1"]["standby"]
+    assert nodes["3"]["standby"] and nodes["3"]["pid"] == 5555
+    assert job.controller.reserve_spare_id() == 4
 
 
 def test_losing_an_idle_spare_is_not_a_fault(make_job):

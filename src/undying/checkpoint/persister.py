@@ -22,14 +22,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-
-import torch.distributed as dist
+from typing import Protocol
 
 from undying.checkpoint.dcp_format import materialize, write_shared_shard
 from undying.checkpoint.snapshot import RankSnapshots
 from undying.checkpoint.storage import FileRecord, Location, commit, save_object, staging_dir
 
 RECORDS_POLL_S = 0.01  # how often rank 0 looks for the other ranks' file records
+
+
+class RecordStore(Protocol):
+    """What the persister needs of the job's store (a c10d store, or a bounded client of one)."""
+
+    def set(self, key: str, value: str) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def delete_key(self, key: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,7 @@ class Persister:
     """
 
     def __init__(self, *, snapshots: RankSnapshots, root: Location, rank: int,
-                 store: dist.Store, key_prefix: str, keep: int, param_names: list[list[str]],
+                 store: RecordStore, key_prefix: str, keep: int, param_names: list[list[str]],
                  rank_file: str, records_timeout: float, current_generation: Callable[[], int],
                  commit_meta: dict[str, object] | None = None) -> None:
         self.snapshots = snapshots

@@ -77,9 +77,13 @@ HEARTBEAT_LOG_EVERY = 0.5
 # (a dead peer's exit, a lost node), so the decision is made on the real fault.
 STEP_FAILED_GRACE = 0.5
 # After a controller failover: how much longer than one long poll a live agent may take to show up.
-UNCONFIRMED_GRACE = 2.0
+UNCONFIRMED_GRACE = 4.0
 # Faults that mean the rank's process is gone or no longer usable.
 PROCESS_FAULTS = ("worker_exit", "heartbeat_missed", "start_timeout", "exit_timeout", "step_stalled")
+
+
+class NotInCharge(RuntimeError):
+    """This controller lost (or cannot confirm) its leadership: clients must ask the new leader."""
 
 
 @dataclass
@@ -149,6 +153,9 @@ class Controller:
         self.backup_store = ""  # failover jobs: another node's store that keeps a second RNG mirror
         self.rng_stores: list[str] = []  # after a takeover: stores that may hold mirrors of earlier steps
         self.deposed = False  # another controller leads now: stop deciding, keep the job's processes
+        # Failover jobs: False while this controller's lease is not known to be held (a process that
+        # was frozen and woke up): it then decides nothing and answers nobody until it knows.
+        self.in_charge: Callable[[], bool] = lambda: True
         self.injections_text = injections_text
         self.on_node_lost = on_node_lost
         self.state = JobState.WAITING_FOR_NODES
@@ -176,6 +183,7 @@ class Controller:
         self._step_failures: list[tuple[float, Fault]] = []
         self._reported_failures: set[tuple[int, int]] = set()  # (rank, generation) step failures seen
         self._resumed = False
+        self._last_spare_id = -1
         self._cond = threading.Condition()
 
     # ---------------------------------------------------------------- reports in
@@ -185,6 +193,7 @@ class Controller:
 
     def hello(self, hello: AgentHello) -> HelloReply:
         with self._cond:
+            self._check_in_charge()
             if hello.standby and hello.node < self.spec.nnodes:
                 return HelloReply(self.job_id, self.store_port, False,
                                   f"a standby agent needs a node id >= nnodes ({self.spec.nnodes}), got {hello.node}")
@@ -195,6 +204,9 @@ class Controller:
             if self.state.terminal:
                 return HelloReply(self.job_id, self.store_port, False, f"job {self.state.value}")
             previous = self.nodes.get(hello.node)
+            if not hello.standby and previous is not None and previous.alive and hello.node in self.adopted_by \
+                    and previous.pid != hello.pid:
+                return self._returned_as_spare(hello)
             if previous is not None and previous.alive:
                 # A node's agent came back before anyone saw it go: its workers are gone all the same.
                 self._lose_node(previous, "agent said hello again (restarted)", notify=False)
@@ -205,12 +217,31 @@ class Controller:
             self._cond.notify_all()
             return HelloReply(self.job_id, self.store_port)
 
+    def reserve_spare_id(self) -> int:
+        """A node id no agent of this job has used: for a spare, or a node that returns as one."""
+        with self._cond:
+            used = [*self.nodes, *self.adopted_by.values(), self.spec.nnodes - 1, self._last_spare_id]
+            self._last_spare_id = max(used) + 1
+            return self._last_spare_id
+
+    def _returned_as_spare(self, hello: AgentHello) -> HelloReply:
+        """A node's agent is back while the spare that adopted its place serves its ranks: it
+        joins as a spare (it holds no ranks: its workers were replaced), not as the node again."""
+        spare_id = self.reserve_spare_id()
+        self.nodes[spare_id] = NodeRecord(spare_id, hello.pid, hello.hostname, time.time(), standby=True)
+        self.emit(ev.AGENT_REGISTERED, node=spare_id, details={
+            "pid": hello.pid, "host": hello.hostname, "standby": True, "returned_node": hello.node,
+            "served_by": self.adopted_by[hello.node]})
+        self._cond.notify_all()
+        return HelloReply(self.job_id, self.store_port, node=spare_id)
+
     def poll(self, poll: AgentPoll) -> Order:
         """An agent reports its workers and waits up to ``poll.wait`` s for its next order."""
         deadline = time.time() + max(0.0, min(poll.wait, 30.0))
         with self._cond:
+            self._check_in_charge()
             node = self.nodes.get(poll.node)
-            if node is None or not node.alive:
+            if node is None or not node.alive or not self._polled_by_owner(node, poll):
                 return Order(kind=ORDER_NONE, reason="hello")
             self._take_statuses(node, poll.workers)
             while not node.orders and node.alive:
@@ -218,6 +249,7 @@ class Controller:
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
+            self._check_in_charge()  # orders queued by a controller that lost its lease are not handed out
             node.last_seen = time.time()
             if not node.alive:
                 return Order(kind=ORDER_NONE, reason="hello")
@@ -229,11 +261,19 @@ class Controller:
                 del self.nodes[poll.node]  # it says hello again as the node it adopts
             return order
 
+    def _polled_by_owner(self, node: NodeRecord, poll: AgentPoll) -> bool:
+        """The poll comes from the agent that holds the node's place (not one that was away while a
+        spare adopted it). A record restored by a failover learns its agent's pid here."""
+        if not node.confirmed and node.pid == 0:
+            node.pid = poll.pid
+        return not poll.pid or not node.pid or poll.pid == node.pid
+
     def report(self, poll: AgentPoll) -> None:
         """An agent's immediate report of a worker's exit (no order is handed out here)."""
         with self._cond:
+            self._check_in_charge()
             node = self.nodes.get(poll.node)
-            if node is not None and node.alive:
+            if node is not None and node.alive and self._polled_by_owner(node, poll):
                 self._take_statuses(node, poll.workers)
 
     def _take_statuses(self, node: NodeRecord, workers: list[dict[str, Any]]) -> None:
@@ -245,6 +285,7 @@ class Controller:
 
     def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
         with self._cond:
+            self._check_in_charge()
             reply = HeartbeatReply(abort_generation=self.abort_generation, mirror_store=self.backup_store)
             record = self.ranks.get(beat.rank)
             if record is None or beat.generation < record.spawn_generation or beat.generation > self.generation:
@@ -272,6 +313,7 @@ class Controller:
     def worker_event(self, data: dict[str, Any]) -> None:
         event = Event.from_dict(data)
         with self._cond:
+            self._check_in_charge()
             record = self.ranks.get(event.rank) if event.rank is not None else None
             if event.kind == ev.WORKER_DONE and record is not None:
                 if not record.done:
@@ -287,7 +329,12 @@ class Controller:
         """A worker checks in after its step failed (or a replacement on joining); answers with its plan."""
         deadline = time.time() + max(0.0, min(request.wait, 30.0))
         with self._cond:
+            self._check_in_charge()
+            superseded = self._superseded(request)
+            if superseded is not None:
+                return superseded
             while True:
+                self._check_in_charge()
                 self._check_in(request)
                 plan = self._plan_for(request)
                 if plan.action != PLAN_WAIT or time.time() >= deadline:
@@ -321,6 +368,14 @@ class Controller:
                 "step_failed", node=record.node if record else request.node, rank=request.rank,
                 step=request.committed_step, detail=request.reason[:300])))
 
+    def _superseded(self, request: RecoverRequest) -> Plan | None:
+        """An old process of a rank that was replaced meanwhile (its node froze and woke up)."""
+        record = self.ranks.get(request.rank)
+        if record is not None and record.pid is not None and request.pid != record.pid \
+                and record.spawn_generation > request.generation:
+            return Plan(action=PLAN_EXIT, reason=f"rank {request.rank} is served by process {record.pid} now")
+        return None
+
     def _plan_for(self, request: RecoverRequest) -> Plan:
         recovery = self.recovery
         if recovery is not None:
@@ -348,6 +403,7 @@ class Controller:
 
     def claim_injection(self, claim: InjectionClaim) -> bool:
         with self._cond:
+            self._check_in_charge()
             record = self.ranks.get(claim.rank)
             stale = record is None or claim.generation < record.spawn_generation
             if claim.index in self.claimed_injections or stale or self.deposed:
@@ -390,8 +446,9 @@ class Controller:
             if not self._resumed:
                 self._state_deadline = time.time() + self.spec.node_return_timeout
             while True:
-                self._tick(time.time())
-                self._save_if_changed()
+                if not self.deposed and self.in_charge():
+                    self._tick(time.time())
+                    self._save_if_changed()
                 if self.deposed:
                     return None
                 if self.state.terminal and self._all_agents_gone():
@@ -399,6 +456,10 @@ class Controller:
                 self._cond.wait(0.05)
         assert self.exit_code is not None
         return self.exit_code
+
+    def _check_in_charge(self) -> None:
+        if self.deposed or not self.in_charge():
+            raise NotInCharge("this controller does not hold the job's leadership (failover)")
 
     def depose(self) -> None:
         """Another controller leads (our etcd lease is gone): stop deciding at once."""

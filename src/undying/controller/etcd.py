@@ -38,15 +38,26 @@ class KeyValue:
     lease: int
 
 
-class EtcdClient:
-    """Talks to one etcd endpoint ``host:port``. Not thread-safe: give each thread its own."""
-
-    def __init__(self, endpoint: str, timeout: float = 2.0) -> None:
-        host, sep, port = endpoint.rpartition(":")
+def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
+    """``host:port[,host:port...]`` (the members of an etcd cluster) -> [(host, port)]."""
+    parsed = []
+    for endpoint in endpoints.split(","):
+        host, sep, port = endpoint.strip().rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"etcd endpoint must be HOST:PORT (got {endpoint!r})")
+        parsed.append((host.strip("[]"), int(port)))
+    return parsed
+
+
+class EtcdClient:
+    """Talks to an etcd cluster through one of its members' ``host:port`` (comma-separated: the
+    next one is tried when the current one fails). Not thread-safe: give each thread its own."""
+
+    def __init__(self, endpoint: str, timeout: float = 2.0) -> None:
+        self.members = parse_endpoints(endpoint)
         self.endpoint = endpoint
-        self.host, self.port = host.strip("[]"), int(port)
+        self._member = 0
+        self.host, self.port = self.members[0]
         self.timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
 
@@ -57,7 +68,10 @@ class EtcdClient:
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps(body).encode()
-        for attempt in (0, 1):
+        # A kept-alive connection the server closed fails once; a second failure moves on to the
+        # cluster's next member; one round over every member, then it is down.
+        attempts = 2 * len(self.members)
+        for attempt in range(attempts):
             if self._conn is None:
                 self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
             try:
@@ -67,9 +81,11 @@ class EtcdClient:
                 break
             except (OSError, http.client.HTTPException) as error:
                 self.close()
-                # A kept-alive connection the server closed fails once; a second failure is real.
-                if attempt == 1:
+                if attempt == attempts - 1:
                     raise EtcdUnavailable(f"etcd {self.endpoint}: {error}") from error
+                if attempt % 2 == 1:
+                    self._member = (self._member + 1) % len(self.members)
+                    self.host, self.port = self.members[self._member]
         if response.status != 200:
             raise EtcdUnavailable(f"etcd {self.endpoint}{path}: HTTP {response.status}: {payload[:200]!r}")
         return json.loads(payload)

@@ -33,6 +33,9 @@ from undying.controller.etcd import EtcdClient, EtcdUnavailable
 
 ENV_ETCD = "UNDYING_ETCD"  # host:port of etcd, in agents and workers of a failover job
 ENV_HA_JOB = "UNDYING_HA_JOB"  # the job's name (its key prefix in etcd)
+# A leader acts only within this fraction of the ttl after its last confirmed renewal (renewals
+# come every ttl/3), so it stops before etcd can let the lease expire and another candidate win.
+IN_CHARGE_FRACTION = 0.8
 
 
 def job_prefix(job: str) -> str:
@@ -86,6 +89,7 @@ class Candidate:
         self._renew_client = EtcdClient(endpoint, timeout=max(1.0, ttl / 3))  # the lease thread's own
         self._lock = threading.Lock()  # the main client: the candidate thread and the controller's
         self.lost_reason = ""
+        self._renewed = 0.0  # monotonic time of the last renewal etcd confirmed
         self._stop = threading.Event()
         self._keepalive: threading.Thread | None = None
 
@@ -110,6 +114,7 @@ class Candidate:
                 created, _ = self._client.put_if_absent(self.leader_key, record, lease=self.lease)
                 if created:
                     self.record = record
+                    self._renewed = time.monotonic()
                     self.leading.set()
                     self._keepalive = threading.Thread(target=self._renew, name="leader-lease", daemon=True)
                     self._keepalive.start()
@@ -127,6 +132,12 @@ class Candidate:
             return self._client.keepalive(self.lease) > 0
         except EtcdUnavailable:
             return False
+
+    def in_charge(self) -> bool:
+        """True while etcd confirmed our lease recently enough that it cannot have expired yet. A
+        process frozen past its lease (SIGSTOP, a long pause) wakes up not in charge, before its
+        renewal thread has even run."""
+        return self.leading.is_set() and time.monotonic() - self._renewed < self.ttl * IN_CHARGE_FRACTION
 
     def publish(self, controller: str, store: str, epoch: int) -> None:
         """Tell agents and workers where the controller and its store listen (under our lease)."""
@@ -190,7 +201,7 @@ class Candidate:
         while not self._stop.wait(self.ttl / 3):
             try:
                 if self._renew_client.keepalive(self.lease) > 0:
-                    last_ok = time.monotonic()
+                    last_ok = self._renewed = time.monotonic()
                     continue
                 self._lost("the leader lease expired")
                 return

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from undying import events as ev
-from undying.controller.core import Controller
+from undying.controller.core import Controller, NotInCharge
 from undying.controller.metrics import render_metrics
 from undying.events import Event, read_events
 from undying.protocol import (
@@ -111,8 +111,18 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
             self._json({"error": "unauthorized"}, 401)
             return False
 
+        def _not_in_charge(self) -> None:
+            # Another controller leads now (failover): clients look it up in etcd and go there.
+            self.close_connection = True
+            self._json({"error": "this controller does not lead the job; ask etcd for the leader"}, 503)
+
+        def _deposed(self) -> bool:
+            if controller.deposed:
+                self._not_in_charge()
+            return controller.deposed
+
         def do_GET(self) -> None:  # noqa: N802 - http.server naming
-            if not self._check_token():
+            if not self._check_token() or self._deposed():
                 return
             path, _, query = self.path.partition("?")
             if path == ROUTE_STATUS:
@@ -134,6 +144,8 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
             if not self._check_token():
                 self.close_connection = True
                 return
+            if self._deposed():
+                return
             try:
                 length = int(self.headers.get("Content-Length") or 0)
             except ValueError:
@@ -148,6 +160,8 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
                 if not isinstance(payload, dict):
                     raise ValueError("body must be a JSON object")
                 self._route_post(payload)
+            except NotInCharge:
+                self._not_in_charge()
             except (ValueError, TypeError, KeyError) as error:
                 self._json({"error": f"bad request: {error}"}, 400)
 

@@ -51,12 +51,13 @@ from undying.protocol import (
     PLAN_RESUME,
     Plan,
 )
+from undying.runtime.bounded_store import BoundedStore
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.optim import CommitOptimizer
 from undying.runtime.pg import CollectiveError, GenerationGroup, choose_backend, connect_store, reapers_alive
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng import capture_rng, restore_rng, rng_to_bytes
-from undying.runtime.rng_mirror import RngMirror
+from undying.runtime.rng_mirror import MIRROR_TIMEOUT_S, RngMirror
 from undying.runtime.snapshots import CheckpointEngine, rank_state_file
 
 RESULT_FILE = "result.json"
@@ -152,7 +153,7 @@ class Runtime:
         self._updated = False
         self._commit_rng: dict[str, Any] = {}
         self._commit_loaders: list[dict[str, Any]] = []
-        self.rng_mirror = RngMirror(self.store, self.store_prefix, self.rank, self.reporter,
+        self.rng_mirror = RngMirror(self._mirror_store(), self.store_prefix, self.rank, self.reporter,
                                     backup_address=lambda: self.reporter.mirror_store)
         self.reporter.emit(ev.WORKER_READY, step=0, seconds=round(time.time() - started, 4),
                            backend=self.backend, pid=os.getpid(), joining=self.joining)
@@ -413,6 +414,16 @@ class Runtime:
                            wait_for_plan=round(planned - started, 4), rebuild=round(rebuilt - planned, 4),
                            repair=round(time.time() - rebuilt, 4), total=round(time.time() - started, 4))
 
+    def _mirror_store(self) -> BoundedStore:
+        """The RNG mirror's own store connection, every call bounded: a mirror write happens every
+        step, and a store whose host froze must not hold the step for ``start_timeout``."""
+        if self._store_address is None:
+            store = self.store
+            return BoundedStore(lambda: store, MIRROR_TIMEOUT_S)
+        host, port = self._store_address
+        return BoundedStore(lambda: connect_store(host, port, MIRROR_TIMEOUT_S), MIRROR_TIMEOUT_S,
+                            name="rng mirror store")
+
     def _follow_store(self, address: str) -> None:
         """Meet the next generation in the store the plan names: after a controller failover it
         is the new controller's (the old one died with its node)."""
@@ -423,7 +434,7 @@ class Runtime:
             return
         self._store_address = (host, port)
         self.store = connect_store(host, port, self.spec.start_timeout)
-        self.rng_mirror.use_store(self.store)
+        self.rng_mirror.use_store(self._mirror_store())
         self.checkpoints.store_moved()
         self.reporter.emit(ev.STORE_MOVED, step=self.committed_step, store=address)
 

@@ -25,8 +25,19 @@ class _Bucket:
         self.params = params
         numel = sum(p.numel() for p in params)
         self.vote_index = numel if with_vote else None
+        self.numel = numel
         self.flat = torch.zeros(numel + (1 if with_vote else 0), dtype=params[0].dtype, device=device)
         self.views = flat_views(params, self.flat[:numel])
+        self.generation: int | None = None  # the generation whose collectives this buffer was given to
+
+    def use_in(self, generation: int) -> None:
+        """A fresh buffer for each generation: a collective of an abandoned generation may still
+        write into the buffer it was handed (a peer that froze mid all-reduce wakes up and sends
+        its part), and it must not land in the gradients of a later step."""
+        if self.generation is not None and self.generation != generation:
+            self.flat = torch.zeros_like(self.flat)
+            self.views = flat_views(self.params, self.flat[:self.numel])
+        self.generation = generation
 
 
 class FixedLayoutDDP(torch.nn.Module):
@@ -93,6 +104,7 @@ class FixedLayoutDDP(torch.nn.Module):
         world_size = group.world_size
         all_ok = True
         for bucket in self._buckets:
+            bucket.use_in(group.generation)
             for param, view in zip(bucket.params, bucket.views, strict=True):
                 if param.grad is None:
                     view.zero_()

@@ -33,6 +33,7 @@ from undying.protocol import (
 )
 
 PROGRESS_MIN_SPACING = 0.1  # seconds between two heartbeats, however fast steps go
+EVENT_TIMEOUT_S = 5.0
 
 
 class Reporter:
@@ -52,7 +53,9 @@ class Reporter:
         self._address = address
         self._token = token
         self._locator = locator_from_env(os.environ)  # failover jobs: follow the controller when it moves
-        self._client = ControllerClient(address, token, locator=self._locator) if address else None
+        # Events are small: a controller that does not take one in EVENT_TIMEOUT_S is down or frozen.
+        self._client = ControllerClient(address, token, timeout=EVENT_TIMEOUT_S,
+                                        locator=self._locator) if address else None
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._beat_forever, name="undying-heartbeat", daemon=True)
@@ -115,7 +118,8 @@ class Reporter:
                                  newcomer, wait=5.0)
         while True:
             try:
-                plan = Plan.from_dict(self._client.post(ROUTE_WORKER_RECOVER, request.to_dict(), timeout=15.0))
+                plan = Plan.from_dict(self._client.post(ROUTE_WORKER_RECOVER, request.to_dict(),
+                                                        timeout=request.wait + 3.0))
             except ControllerUnreachable:
                 time.sleep(0.2)
                 continue

@@ -36,6 +36,7 @@ from undying.checkpoint.persister import Persister, PersistResult
 from undying.checkpoint.snapshot import RankSnapshots, SnapshotUnavailable, flatten_state, unflatten_state
 from undying.inject import fire
 from undying.protocol import ENV_JOB_ID
+from undying.runtime.bounded_store import BoundedStore
 from undying.runtime.pg import GenerationGroup, connect_store
 from undying.runtime.rng import restore_rng
 from undying.shm import node_dir
@@ -47,6 +48,7 @@ LEGACY_SHARED_FILE = "train_state.pt"  # the shared shard before the DCP format 
 SOURCE_MEMORY = "memory"
 SOURCE_STORAGE = "storage"
 RECORDS_TIMEOUT_MIN_S = 60.0  # rank 0 waits at least this long for the other ranks' file records
+PERSIST_STORE_TIMEOUT_S = 10.0  # the persister's store connection: per call, not for the records wait
 
 
 def rank_state_file(rank: int) -> str:
@@ -181,22 +183,32 @@ class CheckpointEngine:
         """The job's store moved (controller failover): the persister exchanges records in the new one."""
         rt = self.rt
         if self._persister is not None and rt._store_address is not None:
-            self._persister.store = connect_store(*rt._store_address, rt.spec.start_timeout)
+            self._persister.store = self._persister_store()
 
     def _ensure_persister(self) -> Persister:
         if self._persister is None:
             rt = self.rt
             # Its own store connection: a TCPStore client serializes its calls, and the training
             # thread's RNG mirror must never queue behind the persister's wait for records.
-            store = rt.store if rt._store_address is None else connect_store(*rt._store_address,
-                                                                               rt.spec.start_timeout)
             self._persister = Persister(
                 snapshots=self.snapshots, root=rt.checkpoint_root, rank=rt.rank,
-                store=store, key_prefix=rt.store_prefix, keep=self.spec.keep, param_names=self.param_names(),
+                store=self._persister_store(), key_prefix=rt.store_prefix, keep=self.spec.keep,
+                param_names=self.param_names(),
                 rank_file=rank_state_file(rt.rank),
                 records_timeout=max(RECORDS_TIMEOUT_MIN_S, 2 * rt.spec.comm_timeout),
                 current_generation=lambda: self.rt.generation, commit_meta={"node": rt.node})
         return self._persister
+
+    def _persister_store(self) -> torch.distributed.Store | BoundedStore:
+        rt = self.rt
+        if rt._store_address is None:
+            return rt.store
+        # Each store call answers in milliseconds; the bound caps what a store whose host froze
+        # costs: that persist fails (persist_failed) and the next one uses the moved store.
+        # Connected on the persister thread's first call, never on the training thread.
+        host, port = rt._store_address
+        return BoundedStore(lambda: connect_store(host, port, PERSIST_STORE_TIMEOUT_S), PERSIST_STORE_TIMEOUT_S,
+                            name="persister store")
 
     def param_names(self) -> list[list[str]]:
         """For each optimizer, the FQN of each parameter in its state_dict order (the DCP keys)."""
