@@ -12,12 +12,12 @@ import pytest
 from tests.conftest import EtcdServer
 from tests.unit.test_controller import WAIT, Job
 from undying import events as ev
-from undying.controller.core import Controller
+from undying.controller.core import Controller, NotInCharge
 from undying.controller.etcd import EtcdClient
 from undying.controller.ha import Candidate, locate_controller
 from undying.controller.state import JobState
 from undying.events import read_events
-from undying.protocol import ORDER_NONE, ORDER_STOP, InjectionClaim, RecoverRequest
+from undying.protocol import ORDER_NONE, ORDER_STOP, PLAN_EXIT, AgentPoll, InjectionClaim, RecoverRequest
 
 RECOVERABLE = {"nnodes": 2, "nproc_per_node": 2, "process_recover": True, "recover_strategy": ["recover-in-place", "recover"],
                "pod_rescheduling": "on"}
@@ -131,3 +131,41 @@ def test_a_controller_is_constructed_without_failover_by_default(tmp_path: Path)
     assert isinstance(job.controller, Controller) and job.controller.save_state is None
     with pytest.raises(KeyError):
         job.controller.resume({}, why="nothing saved")
+
+
+def test_a_controller_not_sure_of_its_lease_answers_nobody_and_decides_nothing(tmp_path: Path) -> None:
+    """A leader frozen past its lease wakes up not in charge: requests get NotInCharge (HTTP 503,
+    clients then ask etcd), and its loop starts no generation although every node said hello."""
+    job = Job(tmp_path, **RECOVERABLE)
+    for node in range(2):
+        job.hello(node)
+    job.controller.in_charge = lambda: False
+    job.start()
+    with pytest.raises(NotInCharge):
+        job.hello(0)
+    with pytest.raises(NotInCharge):
+        job.controller.recover(RecoverRequest(0, 0, 1, 0, 2000, "x", wait=0.0))
+    time.sleep(0.5)
+    assert job.controller.generation == 0 and job.controller.state is JobState.WAITING_FOR_NODES
+    job.controller.in_charge = lambda: True  # the lease renewed after all
+    assert job.wait_for(lambda: job.controller.state is JobState.RUNNING)
+
+
+def test_an_agent_that_no_longer_holds_its_nodes_place_is_told_to_say_hello(tmp_path: Path) -> None:
+    job = Job(tmp_path, **RECOVERABLE)
+    job.start_running()
+    owner = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=1001))
+    assert owner.kind == ORDER_NONE and owner.reason != "hello"
+    stranger = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=4242))
+    assert (stranger.kind, stranger.reason) == (ORDER_NONE, "hello")
+
+
+def test_a_superseded_process_of_a_rank_is_told_to_exit(tmp_path: Path) -> None:
+    """Rank 3 was replaced (generation 2, new process) while its old process was frozen; the old
+    one wakes up and checks in: it is told to exit, not handed the new generation's plan."""
+    job = Job(tmp_path, **RECOVERABLE)
+    job.start_running()
+    record = job.controller.ranks[3]
+    record.spawn_generation, record.pid = 2, 9003
+    plan = job.controller.recover(RecoverRequest(3, 1, 1, 7, 2003, "woke up", wait=0.0))
+    assert plan.action == PLAN_EXIT and "9003" in plan.reason
