@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	@scripts/ensure-etcd.sh
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples bench
