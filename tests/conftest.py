@@ -131,6 +131,18 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     return run
 
 
+@pytest.fixture
+def url_root():
+    """A fresh checkpoint root behind an fsspec URL (the in-process memory:// filesystem)."""
+    from fsspec.core import url_to_fs
+
+    root = f"memory://undying-test-{uuid.uuid4().hex}/ckpt"
+    yield root
+    fs, path = url_to_fs(root)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
 @dataclass
 class EtcdServer:
     endpoint: str

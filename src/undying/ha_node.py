@@ -15,6 +15,7 @@ job (``undying stop`` does); its exit code is the job's outcome as saved in etcd
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -41,8 +42,6 @@ def _saved_state(endpoint: str, job: str) -> dict | None:
         record = client.get(f"{job_prefix(job)}/state")
     finally:
         client.close()
-    import json
-
     return None if record is None else json.loads(record.value)
 
 

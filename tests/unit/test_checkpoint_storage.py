@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -415,13 +413,6 @@ def test_remove_stale_partials(tmp_path: Path) -> None:
 # each generation writes step_<N>.g<G>/ in place, and the manifest (written last) is the commit.
 
 
-@pytest.fixture
-def url_root() -> Iterator[str]:
-    root = f"memory://undying-test-{uuid.uuid4().hex}/ckpt"
-    yield root
-    fs, path = url_to_fs(root)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
 
 
 def url_fs(url: str) -> tuple[Any, str]:

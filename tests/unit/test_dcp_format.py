@@ -9,8 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -79,13 +77,6 @@ def test_shared_shard_round_trip(tmp_path: Path) -> None:
             assert torch.equal(actual["state"][param_id][key], value)
 
 
-@pytest.fixture
-def url_root() -> Iterator[str]:
-    root = f"memory://undying-test-{uuid.uuid4().hex}/ckpt"
-    yield root
-    fs, path = url_to_fs(root)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
 
 
 @pytest.mark.parametrize("location", ["path", "file-url"])

@@ -358,6 +358,13 @@ def _member_path(directory: Path, name: str) -> Path:
     return path
 
 
+def _parse_manifest(text: bytes, where: Location) -> Manifest:
+    try:
+        return Manifest.from_json(text)
+    except ValueError as exc:
+        raise CorruptCheckpoint(f"{where}: bad manifest: {exc}") from exc
+
+
 def _read_manifest(directory: Path) -> Manifest:
     path = directory / MANIFEST_NAME
     try:
@@ -366,10 +373,7 @@ def _read_manifest(directory: Path) -> Manifest:
         raise CorruptCheckpoint(f"{path}: manifest missing") from exc
     except OSError as exc:
         raise CorruptCheckpoint(f"{path}: manifest unreadable ({exc})") from exc
-    try:
-        manifest = Manifest.from_json(text)
-    except ValueError as exc:
-        raise CorruptCheckpoint(f"{path}: bad manifest: {exc}") from exc
+    manifest = _parse_manifest(text, path)
     expected_name = checkpoint_dirname(manifest.step)
     if directory.name != expected_name:
         raise CorruptCheckpoint(
@@ -405,10 +409,7 @@ def _read_url_manifest(directory: urlfs.UrlDir, step: int, generation: int) -> M
         raise
     except OSError as exc:
         raise CorruptCheckpoint(f"{where}: manifest unreadable ({exc})") from exc
-    try:
-        manifest = Manifest.from_json(text)
-    except ValueError as exc:
-        raise CorruptCheckpoint(f"{where}: bad manifest: {exc}") from exc
+    manifest = _parse_manifest(text, where)
     if (manifest.step, manifest.generation) != (step, generation):
         raise CorruptCheckpoint(f"{where}: bad manifest: step {manifest.step}, generation "
                                 f"{manifest.generation} do not match directory {_generation_dirname(step, generation)}")
