@@ -17,6 +17,7 @@ from undying.events import (
     CHECKPOINT_CORRUPT,
     CHECKPOINT_LOAD,
     CHECKPOINT_SAVE,
+    CONTROLLER_LEADER,
     DECISION,
     ELASTIC_GROW,
     ELASTIC_SHRINK,
@@ -82,6 +83,7 @@ class RunSummary:
     checkpoints_corrupt: int = 0
     duration_seconds: float | None = None
     world_changes: list[str] = field(default_factory=list)  # elastic shrinks and grows, in order
+    takeovers: list[str] = field(default_factory=list)  # controller failovers, in order
 
 
 # ----------------------------------------------------------------------------- summary
@@ -120,7 +122,16 @@ def summarize(events: list[Event]) -> RunSummary:
         checkpoints_corrupt=len(corrupt),
         duration_seconds=duration,
         world_changes=[_world_change_label(e) for e in events if e.kind in (ELASTIC_SHRINK, ELASTIC_GROW)],
+        takeovers=[_takeover_label(e) for e in events if _is_takeover(e)],
     )
+
+
+def _is_takeover(event: Event) -> bool:
+    return event.kind == CONTROLLER_LEADER and bool(event.details.get("resumed"))
+
+
+def _takeover_label(event: Event) -> str:
+    return f"controller failover: node {event.node} took over"
 
 
 def _world_change_label(event: Event) -> str:
@@ -307,6 +318,8 @@ def render_summary(summary: RunSummary) -> str:
     lines.extend("  " + describe_recovery(recovery) for recovery in summary.recoveries)
     if summary.world_changes:
         lines.append("elastic: " + ", ".join(summary.world_changes))
+    if summary.takeovers:
+        lines.append("controller: " + ", ".join(label.removeprefix("controller ") for label in summary.takeovers))
     return "\n".join(lines)
 
 
@@ -374,6 +387,7 @@ _INJECTION_COLOR = "#ff7f0e"
 _CHECKPOINT_COLOR = "#1f5fbf"
 _FIRST_STEP_COLOR = "#2ca02c"
 _ELASTIC_COLOR = "#7b3fbf"
+_FAILOVER_COLOR = "#b8860b"
 
 
 class _Svg:
@@ -669,12 +683,19 @@ def _vertical_markers(
     """
     rows = {INJECTION: plot_top - 22, FAULT_DETECTED: plot_top - 8, ELASTIC_SHRINK: plot_top - 36,
             ELASTIC_GROW: plot_top - 36}
+    rows[CONTROLLER_LEADER] = plot_top - 36  # a takeover shares the elastic row
     row_end = {kind: -math.inf for kind in rows}
     for event in events:
-        if event.kind not in rows:
+        if event.kind not in rows or (event.kind == CONTROLLER_LEADER and not _is_takeover(event)):
             continue
         x = x_of(event.time)
-        if event.kind in (ELASTIC_SHRINK, ELASTIC_GROW):
+        if event.kind == CONTROLLER_LEADER:
+            color = _FAILOVER_COLOR
+            svg.add("line", class_="failover", x1=x, y1=plot_top - 44, x2=x, y2=plot_bottom, stroke=color,
+                    stroke_width=1.5, stroke_dasharray="6,2")
+            label = _takeover_label(event)
+            prefer_left = False
+        elif event.kind in (ELASTIC_SHRINK, ELASTIC_GROW):
             color = _ELASTIC_COLOR
             svg.add("line", class_="elastic", x1=x, y1=plot_top - 44, x2=x, y2=plot_bottom, stroke=color,
                     stroke_width=1.5, stroke_dasharray="2,2")
@@ -715,7 +736,7 @@ def _vertical_markers(
             left = x + 4 if prefer_left else x - 4 - label_width
         if left < row_end[event.kind] + 6:
             continue
-        for kind, row in rows.items():  # shrink and grow share a row
+        for kind, row in rows.items():  # shrink, grow and takeovers share a row
             if row == rows[event.kind]:
                 row_end[kind] = left + label_width
         svg.text(left, rows[event.kind], label, size=11, fill=color, font_weight="bold")

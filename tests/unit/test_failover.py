@@ -59,6 +59,8 @@ def test_a_resumed_controller_keeps_the_generation_running_and_loses_the_silent_
     decision = kinds(tmp_path / "b", ev.DECISION)[0]
     # Decided on the real fault (the node), not on rank 2's failed step seen first.
     assert decision.details["strategy"] == "recover" and decision.details["lost_ranks"] == [0, 1]
+    # The fault is placed at the step the live ranks reported, not at the dead ranks' unknown one.
+    assert kinds(tmp_path / "b", ev.FAULT_DETECTED)[0].step == 7
     assert kinds(tmp_path / "b", ev.CONTROLLER_TAKEOVER)[0].details["previous_state"] == "running"
 
 

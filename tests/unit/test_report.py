@@ -396,3 +396,21 @@ def test_write_report(tmp_path) -> None:
 
     elsewhere = write_report(tmp_path, tmp_path / "out" / "run.svg")
     assert elsewhere == tmp_path / "out" / "run.svg" and elsewhere.exists()
+
+
+def test_a_controller_failover_is_in_the_summary_and_on_the_timeline() -> None:
+    events = synthetic_run(faults={15: 1})
+    takeover_time = T0 + 12 * STEP_SECONDS
+    events += [
+        Event("controller_leader", T0, node=0, details={"resumed": False}),
+        Event("controller_leader", takeover_time, node=1, details={"resumed": True}),
+    ]
+    events.sort(key=lambda event: event.time)
+    summary = summarize(events)
+    assert summary.takeovers == ["controller failover: node 1 took over"]
+    assert "controller: failover: node 1 took over" in render_summary(summary)
+    root = ET.fromstring(render_timeline_svg(events))
+    lines = [line for line in root.iter(f"{SVG_NS}line") if line.get("class") == "failover"]
+    assert len(lines) == 1  # the first election is not a failover
+    texts = [text.text for text in root.iter(f"{SVG_NS}text")]
+    assert "controller failover: node 1 took over" in texts

@@ -127,6 +127,7 @@ class RankRecord:
     done_at: float | None = None
     exitcode: int | None = None
     signal: str | None = None
+    step_known: bool = True  # False: restored by a failover and not heard from since
 
 
 class Controller:
@@ -295,6 +296,7 @@ class Controller:
             if beat.step != record.step:
                 record.last_progress = now  # armed from a rank's first committed step on
             record.step = beat.step
+            record.step_known = True
             record.phase = beat.phase
             record.pid = beat.pid
             if beat.phase == PHASE_DONE and not record.done:
@@ -320,6 +322,7 @@ class Controller:
                     record.done_at = time.time()
                 record.done = True
                 record.step = event.step or record.step
+                record.step_known = record.step_known or bool(event.step)
             self.events.emit(event)
             if event.kind == ev.DUMP_COMMITTED and self.recovery is not None and self.recovery.strategy == DUMP:
                 self._dump_committed(event)
@@ -535,7 +538,7 @@ class Controller:
             for rank_text, spawned in saved["spawned"].items():
                 rank = int(rank_text)
                 self.ranks[rank] = RankRecord(rank, self._node_of(rank), int(spawned), now, last_heartbeat=now,
-                                              phase=PHASE_COMPUTING)
+                                              phase=PHASE_COMPUTING, step_known=False)
             previous = JobState(saved["state"])
             self.emit(ev.CONTROLLER_TAKEOVER, generation=self.generation, details={
                 "previous_state": previous.value, "why": why, "nodes": sorted(self.nodes),
@@ -1070,7 +1073,10 @@ class Controller:
         return f"node(s) {missing} did not join within node_return_timeout ({self.spec.node_return_timeout:g} s) at {phase}"
 
     def _committed_step(self) -> int:
-        return min((record.step for record in self.ranks.values()), default=0)
+        # A rank restored by a failover knows no step until it beats here (one that died with the
+        # old leader never does): the others tell where the job stands.
+        known = [record.step for record in self.ranks.values() if record.step_known]
+        return min(known, default=0)
 
     def status(self) -> dict[str, Any]:
         with self._cond:
