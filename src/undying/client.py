@@ -36,6 +36,11 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def format_address(host: str, port: int) -> str:
+    """(host, port) -> ``host:port``, an IPv6 host in brackets (the inverse of ``parse_address``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class ControllerClient:
     """Talks JSON to one controller. Not thread-safe: give each thread its own."""
 

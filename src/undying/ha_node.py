@@ -15,7 +15,6 @@ job (``undying stop`` does); its exit code is the job's outcome as saved in etcd
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import socket
@@ -25,24 +24,16 @@ import time
 
 from undying import events as ev
 from undying.agent import Agent
+from undying.client import format_address
 from undying.controller import Controller, ControllerServer, JobState, JobStore
-from undying.controller.etcd import EtcdClient, EtcdUnavailable
-from undying.controller.ha import ENV_ETCD, ENV_HA_JOB, Candidate, job_prefix, locate_controller
+from undying.controller.etcd import EtcdUnavailable
+from undying.controller.ha import ENV_ETCD, ENV_HA_JOB, Candidate, locate_controller, saved_state
 from undying.events import EventLog
 from undying.launcher import LaunchOptions, emit_job_start, print_event
 from undying.shm import remove_job_dir
 
 BACKUP_REFRESH_S = 1.0
 EXIT_BY_STATE = {JobState.SUCCEEDED.value: 0, JobState.FAILED.value: 1, JobState.CANCELLED.value: 130}
-
-
-def _saved_state(endpoint: str, job: str) -> dict | None:
-    client = EtcdClient(endpoint)
-    try:
-        record = client.get(f"{job_prefix(job)}/state")
-    finally:
-        client.close()
-    return None if record is None else json.loads(record.value)
 
 
 class ControllerCandidate(threading.Thread):
@@ -66,11 +57,10 @@ class ControllerCandidate(threading.Thread):
         spec = self.options.spec
         # A warm candidate: torch.distributed imported and the store listening before it is needed.
         self.store = JobStore(self.options.controller_bind, timeout=spec.start_timeout)
-        host = f"[{self.advertise}]" if ":" in self.advertise else self.advertise
         while not self.stop.is_set():
             candidate = Candidate(self.options.etcd or "", self.options.job_name or "", self.options.lease_ttl,
                                   node=self.options.node_rank if self.options.node_rank is not None else -1,
-                                  store=f"{host}:{self.store.port}")
+                                  store=format_address(self.advertise, self.store.port))
             if not candidate.campaign(self.stop):
                 return
             if self._lead(candidate):
@@ -93,17 +83,12 @@ class ControllerCandidate(threading.Thread):
         controller = Controller(spec, events, job_id, self.store.port, options.injections_text,
                                 store_host=self.advertise, save_state=candidate.save_state)
         server = ControllerServer(controller, self.token, options.controller_bind, 0)
-
-        def deposed() -> None:
-            controller.depose()
-
-        candidate.on_lost = deposed
+        candidate.on_lost = controller.depose
         controller.in_charge = candidate.in_charge
         if saved is not None:
             controller.resume(saved, why="the previous leader's etcd lease expired")
         server.start()
-        host = f"[{self.advertise}]" if ":" in self.advertise else self.advertise
-        address = f"{host}:{server.port}"
+        address = format_address(self.advertise, server.port)
         candidate.publish(address, controller.store_address, epoch=int(time.time() * 1000))
         controller.emit(ev.CONTROLLER_LEADER, node=options.node_rank, details={
             "controller": address, "store": controller.store_address, "candidate": candidate.id,
@@ -155,7 +140,7 @@ def run_ha_node(options: LaunchOptions) -> int:
     os.environ[ENV_ETCD] = options.etcd  # the agent's workers inherit it: they follow the controller too
     os.environ[ENV_HA_JOB] = options.job_name
     try:
-        initial = _saved_state(options.etcd, options.job_name)
+        initial = saved_state(options.etcd, options.job_name)
     except EtcdUnavailable as error:
         print(f"undying: error: {error}", file=sys.stderr)
         return 2
@@ -175,7 +160,7 @@ def run_ha_node(options: LaunchOptions) -> int:
     if candidate.exit_code is not None:
         return candidate.exit_code
     try:
-        final = _saved_state(options.etcd, options.job_name)
+        final = saved_state(options.etcd, options.job_name)
     except EtcdUnavailable:
         return agent_code
     return EXIT_BY_STATE.get(final["state"], agent_code) if final else agent_code

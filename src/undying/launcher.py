@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from undying import events as ev
+from undying.client import format_address
 from undying.config import JobSpec
 from undying.controller import Controller, ControllerServer, JobStore
 from undying.events import Event, EventLog
@@ -223,8 +224,7 @@ def launch(options: LaunchOptions) -> int:
     server = ControllerServer(controller, token, options.controller_bind, bind_port)
     server.start()
     connect_host = "127.0.0.1" if options.controller_bind in ("0.0.0.0", "::") else options.controller_bind
-    agents = LocalAgents(options, f"{connect_host}:{server.port}" if ":" not in connect_host
-                         else f"[{connect_host}]:{server.port}", token)
+    agents = LocalAgents(options, format_address(connect_host, server.port), token)
     agents.controller = controller
     agents.job_id = job_id
     agents_holder.append(agents)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from undying import events as ev
+from undying.client import format_address
 from undying.config import JobSpec
 from undying.controller.recovery import ActiveRecovery
 from undying.controller.state import JobState, check_transition
@@ -401,8 +402,7 @@ class Controller:
 
     @property
     def store_address(self) -> str:
-        host = f"[{self.store_host}]" if ":" in self.store_host else self.store_host
-        return f"{host}:{self.store_port}"
+        return format_address(self.store_host, self.store_port)
 
     def claim_injection(self, claim: InjectionClaim) -> bool:
         with self._cond:

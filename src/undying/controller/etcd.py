@@ -105,22 +105,16 @@ class EtcdClient:
 
     def put(self, key: str, value: str, lease: int = 0) -> int:
         """Store ``value``; returns the revision of the write."""
-        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-        if lease:
-            body["lease"] = str(lease)
-        return int(self._call("/v3/kv/put", body)["header"]["revision"])
+        return int(self._call("/v3/kv/put", _put_request(key, value, lease))["header"]["revision"])
 
     def delete(self, key: str) -> None:
         self._call("/v3/kv/deleterange", {"key": _b64(key)})
 
     def put_if_absent(self, key: str, value: str, lease: int = 0) -> tuple[bool, KeyValue | None]:
         """Create ``key`` only if it does not exist. Returns (created, the key's current holder if not)."""
-        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-        if lease:
-            put["lease"] = str(lease)
         reply = self._call("/v3/kv/txn", {
             "compare": [{"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
-            "success": [{"request_put": put}],
+            "success": [{"request_put": _put_request(key, value, lease)}],
             "failure": [{"request_range": {"key": _b64(key)}}],
         })
         if reply.get("succeeded"):
@@ -131,12 +125,9 @@ class EtcdClient:
 
     def put_if_equal(self, guard_key: str, guard_value: str, key: str, value: str, lease: int = 0) -> bool:
         """Write ``key`` only while ``guard_key`` holds ``guard_value`` (a fenced write)."""
-        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-        if lease:
-            put["lease"] = str(lease)
         reply = self._call("/v3/kv/txn", {
             "compare": [{"key": _b64(guard_key), "target": "VALUE", "result": "EQUAL", "value": _b64(guard_value)}],
-            "success": [{"request_put": put}],
+            "success": [{"request_put": _put_request(key, value, lease)}],
         })
         return bool(reply.get("succeeded"))
 
@@ -153,6 +144,13 @@ class EtcdClient:
 
     def revoke(self, lease: int) -> None:
         self._call("/v3/lease/revoke", {"ID": str(lease)})
+
+
+def _put_request(key: str, value: str, lease: int) -> dict[str, Any]:
+    request: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        request["lease"] = str(lease)
+    return request
 
 
 def _key_value(raw: dict[str, Any]) -> KeyValue:

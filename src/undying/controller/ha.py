@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from undying.controller.etcd import EtcdClient, EtcdUnavailable
+from undying.controller.etcd import EtcdClient, EtcdUnavailable, KeyValue
 
 ENV_ETCD = "UNDYING_ETCD"  # host:port of etcd, in agents and workers of a failover job
 ENV_HA_JOB = "UNDYING_HA_JOB"  # the job's name (its key prefix in etcd)
@@ -40,6 +40,19 @@ IN_CHARGE_FRACTION = 0.8
 
 def job_prefix(job: str) -> str:
     return f"/undying/{job}"
+
+
+def saved_state(endpoint: str, job: str) -> dict[str, Any] | None:
+    """The job's saved controller state (``Controller.export_state``), or None if there is none."""
+    client = EtcdClient(endpoint)
+    try:
+        return _state_of(client.get(f"{job_prefix(job)}/state"))
+    finally:
+        client.close()
+
+
+def _state_of(record: KeyValue | None) -> dict[str, Any] | None:
+    return None if record is None else json.loads(record.value)
 
 
 def locate_controller(endpoint: str, job: str, timeout: float = 1.0) -> str | None:
@@ -123,15 +136,10 @@ class Candidate:
                 if self._client.keepalive(self.lease) <= 0:
                     self.lease = 0
             except EtcdUnavailable:
-                self.lease = 0 if self.lease and not self._lease_alive() else self.lease
+                # Our lease may have expired meanwhile: take a new one (an old one expires by itself).
+                self.lease = 0
             stop.wait(poll)
         return False
-
-    def _lease_alive(self) -> bool:
-        try:
-            return self._client.keepalive(self.lease) > 0
-        except EtcdUnavailable:
-            return False
 
     def in_charge(self) -> bool:
         """True while etcd confirmed our lease recently enough that it cannot have expired yet. A
@@ -169,8 +177,7 @@ class Candidate:
 
     def load_state(self) -> dict[str, Any] | None:
         with self._lock:
-            record = self._client.get(self.state_key)
-        return None if record is None else json.loads(record.value)
+            return _state_of(self._client.get(self.state_key))
 
     def save_state(self, state: dict[str, Any]) -> bool:
         """Write the controller's state while we still lead; False (and on_lost) if we do not."""

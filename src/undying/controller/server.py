@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from undying import events as ev
+from undying.client import format_address
 from undying.controller.core import Controller, NotInCharge
 from undying.controller.metrics import render_metrics
 from undying.events import Event, read_events
@@ -68,8 +69,7 @@ class ControllerServer:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return format_address(self.host, self.port)
 
     def start(self) -> None:
         self._thread.start()

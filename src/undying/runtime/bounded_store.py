@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from undying.runtime.pg import connect_store
+
 
 class StoreTimeout(RuntimeError):
     """The store did not answer within the bound (its host is down or frozen)."""
@@ -59,6 +61,11 @@ class BoundedStore:
 
     def delete_key(self, key: str) -> bool:
         return self._call(lambda store: store.delete_key(key))
+
+
+def connect_bounded(host: str, port: int, timeout: float, name: str) -> BoundedStore:
+    """A bounded client of the TCPStore at (host, port), connected on its first call."""
+    return BoundedStore(lambda: connect_store(host, port, timeout), timeout, name=name)
 
 
 class _Caller:

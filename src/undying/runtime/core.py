@@ -51,7 +51,7 @@ from undying.protocol import (
     PLAN_RESUME,
     Plan,
 )
-from undying.runtime.bounded_store import BoundedStore
+from undying.runtime.bounded_store import BoundedStore, connect_bounded
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.optim import CommitOptimizer
 from undying.runtime.pg import CollectiveError, GenerationGroup, choose_backend, connect_store, reapers_alive
@@ -421,8 +421,7 @@ class Runtime:
             store = self.store
             return BoundedStore(lambda: store, MIRROR_TIMEOUT_S)
         host, port = self._store_address
-        return BoundedStore(lambda: connect_store(host, port, MIRROR_TIMEOUT_S), MIRROR_TIMEOUT_S,
-                            name="rng mirror store")
+        return connect_bounded(host, port, MIRROR_TIMEOUT_S, name="rng mirror store")
 
     def _follow_store(self, address: str) -> None:
         """Meet the next generation in the store the plan names: after a controller failover it

@@ -21,8 +21,7 @@ import torch.distributed as dist
 
 from undying import events as ev
 from undying.client import parse_address
-from undying.runtime.bounded_store import BoundedStore
-from undying.runtime.pg import connect_store
+from undying.runtime.bounded_store import BoundedStore, connect_bounded
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng import rng_from_bytes
 
@@ -32,8 +31,7 @@ BACKUP_TIMEOUT_S = 2.0  # a backup store that does not answer within this is dro
 
 
 def bounded(address: str, timeout: float) -> BoundedStore:
-    host, port = parse_address(address)
-    return BoundedStore(lambda: connect_store(host, port, timeout), timeout, name=f"store {address}")
+    return connect_bounded(*parse_address(address), timeout, name=f"store {address}")
 
 
 class RngMirror:

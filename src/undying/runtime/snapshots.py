@@ -36,8 +36,8 @@ from undying.checkpoint.persister import Persister, PersistResult
 from undying.checkpoint.snapshot import RankSnapshots, SnapshotUnavailable, flatten_state, unflatten_state
 from undying.inject import fire
 from undying.protocol import ENV_JOB_ID
-from undying.runtime.bounded_store import BoundedStore
-from undying.runtime.pg import GenerationGroup, connect_store
+from undying.runtime.bounded_store import BoundedStore, connect_bounded
+from undying.runtime.pg import GenerationGroup
 from undying.runtime.rng import restore_rng
 from undying.shm import node_dir
 
@@ -207,8 +207,7 @@ class CheckpointEngine:
         # costs: that persist fails (persist_failed) and the next one uses the moved store.
         # Connected on the persister thread's first call, never on the training thread.
         host, port = rt._store_address
-        return BoundedStore(lambda: connect_store(host, port, PERSIST_STORE_TIMEOUT_S), PERSIST_STORE_TIMEOUT_S,
-                            name="persister store")
+        return connect_bounded(host, port, PERSIST_STORE_TIMEOUT_S, name="persister store")
 
     def param_names(self) -> list[list[str]]:
         """For each optimizer, the FQN of each parameter in its state_dict order (the DCP keys)."""
