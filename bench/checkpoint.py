@@ -34,8 +34,18 @@ from undying.checkpoint.snapshot import RankSnapshots, flatten_state
 WIDTH = 2048  # square bias-free linear layers of 2048 x 2048 = 4.19M parameters each
 # name -> (layers, with AdamW state, full comparison). 1B with AdamW is 12 GB of state and does not
 # fit twice (live + a T1 slot) in this machine's 23 GiB: it runs with parameters only and fewer methods.
-SIZES = {"50M": (12, True, True), "200M": (48, True, True), "1B": (240, False, False)}
+SIZES = {"50M": (12, True, True), "200M": (48, True, True), "1B": (240, False, False),
+         "tiny": (1, True, True)}  # tiny: 4M parameters, the smoke test's (tests/unit/test_benchmarks.py)
+DEFAULT_SIZES = ["50M", "200M", "1B"]
+LOOP_BATCH = 16  # rows per training step in the loop measurement (AdamW sizes only)
 PAGE = os.sysconf("SC_PAGE_SIZE")
+DEVICE = torch.device("cpu")  # --device: where the model and optimizer live (cuda: snapshots are D2H copies)
+
+
+def synchronize() -> None:
+    """Wait for the device's queued work (a timing of device copies must include them)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 class PeakRss:
@@ -83,7 +93,7 @@ def gil_waits(until: Callable[[], bool], at_least: float = 0.0) -> dict[str, flo
 
 def build(layers: int, adamw: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False, device="meta") for _ in range(layers)])
-    model.to_empty(device="cpu")
+    model.to_empty(device=DEVICE)
     for index, parameter in enumerate(model.parameters()):
         parameter.data.fill_(0.001 * (index + 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -102,11 +112,14 @@ def replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
 def timed(function: Callable[[], Any]) -> float:
     started = time.perf_counter()
     function()
+    synchronize()
     return time.perf_counter() - started
 
 
 def measure_copy(tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
-    destinations = [torch.empty_like(tensor) for tensor in tensors]
+    # Into host memory (page-locked for a device's tensors: the bus's limit).
+    destinations = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
+                    for tensor in tensors]
     for destination in destinations:
         destination.zero_()  # pages allocated before timing, as a preallocated buffer is
 
@@ -147,7 +160,7 @@ def measure_undying(model: torch.nn.Module, optimizer: torch.optim.Optimizer, wo
             return result
         root = work / "undying"
         idle = gil_waits(lambda: True, at_least=0.5)
-        persister = Persister(snapshots=snapshots, root=root, rank=0, world_size=1,
+        persister = Persister(snapshots=snapshots, root=root, rank=0,
                               store=torch.distributed.HashStore(), key_prefix="bench", keep=1,
                               param_names=[optimizer_param_names(optimizer, [model])], rank_file="rank_00000.pt",
                               records_timeout=600, current_generation=lambda: 1)
@@ -172,6 +185,79 @@ def measure_undying(model: torch.nn.Module, optimizer: torch.optim.Optimizer, wo
     finally:
         snapshots.close()
         shutil.rmtree(shm_dir.parent, ignore_errors=True)
+
+
+def measure_in_loop(layers: int, batch: int, rounds: int) -> dict[str, Any]:
+    """What a snapshot costs a real training loop (forward, backward, AdamW step): one step of each
+    kind per round, interleaved so that drift of the machine hits every kind alike.
+
+    - ``none``: no snapshot;
+    - ``boundary``: the whole snapshot copied at the step boundary (``checkpoint.overlap: false``);
+    - ``overlapped``: buffers and the skeleton copied at the boundary, parameters and AdamW state
+      on a helper thread while the next step's forward and backward run; the AdamW step waits for
+      it (what the runtime's wrapped optimizer does).
+
+    A snapshot's cost to training is its step's time minus a step without one; for ``overlapped``
+    also the seconds the training thread was blocked (its part at the boundary plus the wait)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False, device=DEVICE) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    inputs = torch.randn(batch, WIDTH, device=DEVICE)
+
+    def forward_backward() -> None:
+        optimizer.zero_grad(set_to_none=False)
+        model(inputs).square().mean().backward()
+
+    forward_backward()
+    optimizer.step()  # AdamW's state exists from here on
+    shm_dir = Path(os.environ.get("UNDYING_SHM_DIR", "/dev/shm")) / f"undying-bench-loop-{os.getpid()}" / "node0"
+    snapshots = RankSnapshots(shm_dir, rank=0, slots=2)
+    updated = {tensor.untyped_storage().data_ptr() for tensor in
+               [*model.parameters(), *(v for state in optimizer.state.values() for v in state.values())]}
+
+    def defer(tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in updated
+
+    def state() -> dict[str, Any]:
+        return {"replica": replica_state(model, optimizer), "rank": {"rng": {"torch": torch.get_rng_state()}}}
+
+    step = 0
+    blocked: list[float] = []
+
+    def one_step(kind: str) -> float:
+        nonlocal step
+        step += 1
+        started = time.perf_counter()
+        if kind != "none":  # the commit boundary of the previous step
+            snapshots.write(state(), step=step, generation=1, world_size=1,
+                            defer=defer if kind == "overlapped" else None)
+        boundary = time.perf_counter() - started
+        forward_backward()
+        waited = snapshots.wait()  # the wrapped optimizer's step waits for an overlapped copy
+        optimizer.step()
+        synchronize()
+        if kind == "overlapped":
+            blocked.append(boundary + waited)
+        return time.perf_counter() - started
+
+    try:
+        for kind in ("boundary", "overlapped", "boundary"):  # slots allocated, everything warm
+            one_step(kind)
+            snapshots.wait_reserved()
+        blocked.clear()
+        kinds = ("none", "boundary", "overlapped")
+        steps: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for _ in range(rounds):
+            for kind in kinds:
+                steps[kind].append(one_step(kind))
+    finally:
+        snapshots.close()
+        shutil.rmtree(shm_dir.parent, ignore_errors=True)
+    median = {kind: statistics.median(times) for kind, times in steps.items()}
+    return {"batch": batch, "rounds": rounds, "step_s": median, "runs": steps,
+            "cost_boundary_s": median["boundary"] - median["none"],
+            "cost_overlapped_s": median["overlapped"] - median["none"],
+            "blocked_overlapped_s": statistics.median(blocked)}
 
 
 def measure_torch_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path) -> dict[str, Any]:
@@ -210,7 +296,7 @@ def measure_async_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             "gil_wait_idle": idle, "gil_wait_persisting": busy}
 
 
-def run_size(name: str, work: Path, repeats: int) -> dict[str, Any]:
+def run_size(name: str, work: Path, repeats: int, loop_rounds: int) -> dict[str, Any]:
     layers, adamw, full = SIZES[name]
     model, optimizer = build(layers, adamw)
     _, tensors = flatten_state(replica_state(model, optimizer))
@@ -228,6 +314,10 @@ def run_size(name: str, work: Path, repeats: int) -> dict[str, Any]:
     if full:
         row["async_save"] = measure_async_save(model, optimizer, work)
         print(f"  async_save {row['async_save']}", flush=True)
+    if adamw and loop_rounds:
+        del model, optimizer, tensors
+        row["loop"] = measure_in_loop(layers, LOOP_BATCH, loop_rounds)
+        print(f"  loop {row['loop']}", flush=True)
     return row
 
 
@@ -261,26 +351,56 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def loop_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | batch | step s: no snapshot / boundary snapshot / overlapped snapshot "
+             "| cost per snapshot s: boundary / overlapped (training thread blocked) "
+             "| torch.save stall s | torch.save / overlapped cost |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        loop = row.get("loop")
+        if loop is None:
+            continue
+        step, save = loop["step_s"], row["torch_save"]["stall_s"]
+        cost = loop["cost_overlapped_s"]
+        ratio = f"{save / cost:.0f}x" if cost > 0 else "cost below the noise"
+        lines.append(f"| {row['size']} | {loop['batch']} | {step['none']:.3f} / {step['boundary']:.3f} / "
+                     f"{step['overlapped']:.3f} | {loop['cost_boundary_s']:.3f} / {cost:.3f} "
+                     f"({loop['blocked_overlapped_s']:.3f}) | {save:.3f} | {ratio} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, choices=list(SIZES))
     parser.add_argument("--repeats", type=int, default=3, help="steady-state snapshots / copies timed per size")
+    parser.add_argument("--loop-rounds", type=int, default=7,
+                        help="training-loop rounds (one step without, one with a boundary, one with an "
+                             "overlapped snapshot); 0 skips the loop measurement")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: model and optimizer on the GPU, "
+                        "every size with AdamW state")
     parser.add_argument("--work-dir", default=None, help="where checkpoints are written (default: a temp dir)")
     parser.add_argument("--out", default="bench/results/checkpoint.json")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)
+        for name, (layers, _, _) in SIZES.items():  # GPU memory and a large host: every size in full
+            SIZES[name] = (layers, True, True)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="undying-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     try:
         for name in args.sizes:
-            rows.append(run_size(name, work, args.repeats))
+            rows.append(run_size(name, work, args.repeats, args.loop_rounds))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "torch": torch.__version__,
-              "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+              "cpus": os.cpu_count(), "device": str(DEVICE), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(table(rows))
+    print(loop_table(rows))
     return 0
 
 

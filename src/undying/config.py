@@ -84,7 +84,10 @@ class CheckpointSpec(BaseModel):
     ``snapshot_interval``: steps between T1 snapshots into node shared memory (0: only at
     T2 checkpoint steps). ``snapshot_slots``: T1 slots per rank, each the size of the rank's
     state; with 2, while the persister holds one the other is rewritten each time (a torn write
-    falls back to the persisted step), with 3 a torn write falls back to the previous step."""
+    falls back to the persisted step), with 3 a torn write falls back to the previous step.
+    ``overlap``: copy the parameters and optimizer state of a snapshot in the background,
+    overlapping the next step's forward, backward and gradient sync (its optimizer step
+    waits for the copy); off: the whole copy stalls the training loop at the step boundary."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -93,6 +96,7 @@ class CheckpointSpec(BaseModel):
     keep: int = Field(2, ge=1)
     snapshot_interval: int = Field(1, ge=0)
     snapshot_slots: int = Field(2, ge=2, le=8)
+    overlap: bool = True
 
     _reject_bool_numbers = field_validator("interval", "keep", "snapshot_interval", "snapshot_slots",
                                            mode="before")(_reject_bool)

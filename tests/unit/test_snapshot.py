@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import OrderedDict, namedtuple
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from undying import shm
+from undying.checkpoint import copy as copy_module
 from undying.checkpoint.snapshot import STATE_WRITING, RankSnapshots, flatten_state, unflatten_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,21 +93,25 @@ def test_torn_slot_is_never_returned(tmp_path: Path) -> None:
         reopened.read(2)
 
 
-def test_a_writer_killed_mid_copy_leaves_only_complete_snapshots(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["copy", "overlapped-copy"])
+def test_a_writer_killed_mid_copy_leaves_only_complete_snapshots(tmp_path: Path, overlap: bool) -> None:
     """Real torn writes: a process snapshots a 48 MB state (every element = its step) in a loop and is
-    SIGKILLed at some point of some copy; every snapshot still listed must hold exactly its step."""
+    SIGKILLed at some point of some copy (overlapped: most likely while the helper thread copies and
+    the main thread has moved on); every snapshot still listed must hold exactly its step."""
     writer = textwrap.dedent(f"""
         import sys, torch
         from pathlib import Path
         from undying.checkpoint.snapshot import RankSnapshots
         snapshots = RankSnapshots(Path({str(tmp_path)!r}), rank=0)
         state = {{"weights": [torch.zeros(1 << 20) for _ in range(12)]}}
+        defer = (lambda tensor: True) if {overlap!r} else None
         step = 0
         while True:
             step += 1
+            snapshots.wait()  # the training loop's optimizer step waits for an overlapped copy
             for tensor in state["weights"]:
                 tensor.fill_(float(step))
-            snapshots.write(state, step=step, generation=1, world_size=1)
+            snapshots.write(state, step=step, generation=1, world_size=1, defer=defer)
             if step == 2:
                 print("ready", flush=True)
     """)
@@ -120,6 +126,66 @@ def test_a_writer_killed_mid_copy_leaves_only_complete_snapshots(tmp_path: Path)
     for info in held:
         weights = snapshots.read(info.step)["weights"]
         assert all(bool((tensor == float(info.step)).all()) for tensor in weights), f"step {info.step} is torn"
+
+
+def test_an_overlapped_snapshot_is_visible_only_once_its_background_copy_is_done(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``defer``: the selected tensors are copied on a helper thread (held here until released); the
+    rest is copied before ``write`` returns. Until the helper is done the snapshot is not listed, a
+    pin of its step waits for it in ``read_slot``, and the result is bitwise the state handed over."""
+    release = threading.Event()
+    copy_now = copy_module.copy_now
+
+    def held_copy(views: list, tensors: list) -> None:
+        assert release.wait(30)
+        copy_now(views, tensors)
+
+    monkeypatch.setattr(copy_module, "copy_now", held_copy)  # the helper thread's copy only
+    state = training_state()
+    expected = training_state()
+    snapshots = RankSnapshots(tmp_path, rank=0)
+    deferred = {tensor.untyped_storage().data_ptr() for tensor in state["replica"]["models"][0].values()}
+    info = snapshots.write(state, step=7, generation=1, world_size=1,
+                           defer=lambda tensor: tensor.untyped_storage().data_ptr() in deferred)
+    assert info is not None and info.step == 7
+    assert snapshots.committed() == []
+    slot = snapshots.pin(7)
+    # The training thread is already waiting (e.g. at the end of training) when the persister reads.
+    waiter = threading.Thread(target=snapshots.wait)
+    waiter.start()
+    read: list = []
+    reader = threading.Thread(target=lambda: read.append(snapshots.read_slot(slot, clone=True)))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive(), "read_slot must wait for the background copy of a pinned step"
+    release.set()
+    reader.join(30)
+    waiter.join(30)
+    assert_same(read[0], expected)
+    snapshots.unpin(slot)
+    assert snapshots.wait() == 0.0
+    assert [i.step for i in snapshots.committed()] == [7]
+    assert_same(snapshots.read(7), expected)
+    snapshots.close()
+
+
+def test_a_failed_background_copy_raises_on_wait_and_leaves_no_snapshot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_copy(views: list, tensors: list) -> None:
+        raise OSError("device lost")
+
+    snapshots = RankSnapshots(tmp_path, rank=0)
+    snapshots.write({"w": torch.ones(8)}, step=1, generation=1, world_size=1)
+    snapshots.wait_reserved()
+    monkeypatch.setattr(copy_module, "copy_now", broken_copy)
+    snapshots.write({"w": torch.full((8,), 2.0)}, step=2, generation=1, world_size=1, defer=lambda t: True)
+    with pytest.raises(RuntimeError, match="background snapshot copy failed.*device lost"):
+        snapshots.wait()
+    assert [info.step for info in snapshots.committed()] == [1]
+    monkeypatch.undo()
+    assert snapshots.write({"w": torch.full((8,), 3.0)}, step=3, generation=1, world_size=1) is not None
+    assert [info.step for info in snapshots.committed()] == [3, 1]
+    snapshots.close()
 
 
 def test_snapshots_reuse_their_buffers(tmp_path: Path) -> None:

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from undying.checkpoint.copy import BackgroundCopy, copy_now
+
 MAGIC = b"UNDYSNAP"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
@@ -172,6 +174,7 @@ class _Slot:
         self.layout: list[tuple[int, torch.dtype, tuple[int, ...]]] | None = None
         self.views: list[torch.Tensor] = []
         self.info: SnapshotInfo | None = None  # set while the slot holds a complete snapshot
+        self._page_locked: int | None = None  # the address registered with CUDA (page-locked), if any
         if path is not None and path.exists():
             self._map(path.stat().st_size)
             self.info = self._read_info()
@@ -182,6 +185,7 @@ class _Slot:
         """Make the slot at least ``size`` bytes, every page allocated and mapped now, not during a copy."""
         if size <= self.size:
             return
+        self._unlock_pages()
         self.views, self.layout, self._mm = [], None, None
         self._map(size)
 
@@ -201,6 +205,25 @@ class _Slot:
         self._mm = mm
         self.size = size
 
+    def lock_pages(self) -> None:
+        """Page-lock the mapping for CUDA (as torch.distributed.checkpoint's stager does with its
+        shared memory), so that device-to-host copies into it run at full speed and asynchronously;
+        once per mapping. Raises RuntimeError if CUDA refuses."""
+        if self._page_locked is not None or self._mm is None:
+            return
+        from torch.cuda import _pin_memory_utils
+
+        address = torch.frombuffer(self._mm, dtype=torch.uint8, count=1).data_ptr()
+        _pin_memory_utils.pin_memory(address, self.size)
+        self._page_locked = address
+
+    def _unlock_pages(self) -> None:
+        address, self._page_locked = self._page_locked, None
+        if address is not None:
+            from torch.cuda import _pin_memory_utils
+
+            _pin_memory_utils.unpin_memory(address)
+
     def lay_out(self, layout: list[tuple[int, torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
         """Views of the data region laid out as ``layout``; built once per layout, then reused."""
         if self.layout != layout:
@@ -216,6 +239,7 @@ class _Slot:
         return self.views
 
     def close(self) -> None:
+        self._unlock_pages()
         self.views, self.layout = [], None
         mm, self._mm = self._mm, None
         if mm is not None:
@@ -300,6 +324,11 @@ class RankSnapshots:
       snapshot: a steady-state snapshot allocates nothing but the small skeleton, and its
       cost is the copy. The first snapshot allocates its slot on the calling thread; the
       other slots are grown on a helper thread meanwhile (skipped until ready).
+    - With ``defer`` (overlapped snapshots), the tensors it selects are copied on a helper
+      thread after ``write`` returns, and the slot is committed when they are: until then it
+      is invisible as any torn write is, ``pin`` of its step waits in ``read_slot``, and the
+      next ``write`` (or ``wait``) first waits for it. The caller must not change those
+      tensors before ``wait``.
 
     Not guaranteed: durability beyond the node (T1 dies with the node: that is T2's job),
     nor checksums of the tensor data (the copy is in memory and checksummed on the way to T2).
@@ -320,13 +349,22 @@ class RankSnapshots:
         self._reserving: set[int] = set()  # slots being grown on a helper thread
         self._reservers: list[threading.Thread] = []
         self._seq = max((slot.info.seq for slot in self._slots if slot.info), default=0)
+        self._background: tuple[int, int, BackgroundCopy] | None = None  # (slot, step, copy) of a deferred write
         self.skipped = 0
-        self.last_copy_seconds = 0.0
+        self.last_copy_seconds = 0.0  # the training thread's part of the last write
+        self.lock_pages_for_devices = True  # page-lock slots that receive device (CUDA) tensors
+        self.page_lock_error: str | None = None
 
     # -- writing (training thread)
 
-    def write(self, state: Any, *, step: int, generation: int, world_size: int) -> SnapshotInfo | None:
-        """Copy ``state`` into a free slot; the snapshot is complete when this returns (or None: skipped)."""
+    def write(self, state: Any, *, step: int, generation: int, world_size: int,
+              defer: Callable[[torch.Tensor], bool] | None = None) -> SnapshotInfo | None:
+        """Copy ``state`` into a free slot; the snapshot is complete when this returns (or None: skipped).
+
+        With ``defer``, the tensors for which it is true are copied in the background and the
+        snapshot is complete when ``wait`` returns; the returned info is what it will hold.
+        """
+        self.wait()
         started = time.perf_counter()
         skeleton, tensors = flatten_state(state)
         layout, data_bytes = tensor_layout(tensors)
@@ -337,6 +375,7 @@ class RankSnapshots:
                 self.skipped += 1
                 return None
             self._writing = slot.index
+        deferred = False
         try:
             slot.info = None
             if slot.size:
@@ -345,22 +384,60 @@ class RankSnapshots:
             if needed > slot.size:
                 slot.reserve(needed + max(META_SLACK, len(meta)))
                 slot.set_state(STATE_WRITING)
+            if self.lock_pages_for_devices and any(tensor.device.type == "cuda" for tensor in tensors):
+                try:
+                    slot.lock_pages()
+                except RuntimeError as error:  # pageable memory: the copies are right, only slower
+                    self.lock_pages_for_devices = False
+                    self.page_lock_error = str(error)
             views = slot.lay_out(layout)
-            if views and all(tensor.device.type == "cpu" for tensor in tensors):
-                torch._foreach_copy_(views, tensors)
-            else:
-                # Device tensors (NCCL jobs): plain device-to-host copies into the mapped pages.
-                for view, tensor in zip(views, tensors, strict=True):
-                    view.copy_(tensor)
+            later = [defer is not None and defer(tensor) for tensor in tensors]
+            copy_now([view for view, bg in zip(views, later, strict=True) if not bg],
+                     [tensor for tensor, bg in zip(tensors, later, strict=True) if not bg])
             self._seq += 1
-            slot.write_meta_and_commit(meta, data_bytes, self._seq, step, generation, world_size)
+            seq = self._seq
+
+            def commit() -> None:
+                slot.write_meta_and_commit(meta, data_bytes, seq, step, generation, world_size)
+
+            if any(later):
+                self._background = (slot.index, step, BackgroundCopy(
+                    [view for view, bg in zip(views, later, strict=True) if bg],
+                    [tensor for tensor, bg in zip(tensors, later, strict=True) if bg],
+                    then=lambda: self._committed_in_background(commit)))
+                deferred = True
+                info = SnapshotInfo(slot.index, seq, step, generation, world_size, data_bytes)
+            else:
+                commit()
+                info = slot.info
             self.last_copy_seconds = time.perf_counter() - started
-            info = slot.info
+        finally:
+            if not deferred:
+                with self._lock:
+                    self._writing = None
+        self._reserve_others(slot.size, slot)
+        return info
+
+    def _committed_in_background(self, commit: Callable[[], None]) -> None:
+        try:
+            commit()
         finally:
             with self._lock:
                 self._writing = None
-        self._reserve_others(slot.size, slot)
-        return info
+
+    def wait(self) -> float:
+        """Until a deferred write is complete (committed); returns the seconds this call blocked."""
+        background = self._background
+        if background is None:
+            return 0.0
+        try:
+            return background[2].wait()
+        finally:
+            # Cleared only once the copy is over: the persister's read_slot of a pinned deferred write
+            # waits while it is set.
+            self._background = None
+            with self._lock:
+                self._writing = None  # a failed copy leaves its slot WRITING (invisible) and free
 
     def _reserve_others(self, size: int, written: _Slot) -> None:
         """Grow the other slots to ``size`` on a helper thread: allocating and mapping gigabytes takes
@@ -415,6 +492,7 @@ class RankSnapshots:
     def invalidate(self, keep_step: int | None = None) -> None:
         """Forget every snapshot but the one of ``keep_step``: after a restore to another point of the
         history, an older run's later steps must never be taken for this run's."""
+        self.wait()
         with self._lock:
             for slot in self._slots:
                 if slot.info is not None and slot.info.step != keep_step and self._pins[slot.index] == 0:
@@ -430,8 +508,13 @@ class RankSnapshots:
         return sorted(held, key=lambda info: info.seq, reverse=True)
 
     def pin(self, step: int) -> int:
-        """Keep the snapshot of ``step`` from being overwritten until ``unpin``; returns its slot."""
+        """Keep the snapshot of ``step`` from being overwritten until ``unpin``; returns its slot. A
+        deferred write of ``step`` still being copied is pinned too (``read_slot`` waits for it)."""
         with self._lock:
+            background = self._background
+            if background is not None and background[1] == step and self._writing == background[0]:
+                self._pins[background[0]] += 1
+                return background[0]
             for slot in sorted(self._slots, key=lambda s: -(s.info.seq if s.info else -1)):
                 if slot.info is not None and slot.info.step == step and slot.index != self._writing:
                     self._pins[slot.index] += 1
@@ -444,6 +527,9 @@ class RankSnapshots:
 
     def read_slot(self, slot_index: int, clone: bool) -> Any:
         """The state in a pinned (or otherwise quiet) slot: views into shared memory, or copies."""
+        background = self._background
+        if background is not None and background[0] == slot_index:
+            background[2].done.wait()  # the pinned deferred write; a failed one holds no snapshot
         slot = self._slots[slot_index]
         if slot.info is None:
             raise KeyError(f"slot {slot_index} of rank {self.rank} holds no snapshot")
@@ -468,6 +554,9 @@ class RankSnapshots:
         return sum(slot.size for slot in self._slots)
 
     def close(self) -> None:
-        self.wait_reserved()
+        try:
+            self.wait()
+        finally:
+            self.wait_reserved()
         for slot in self._slots:
             slot.close()

@@ -185,7 +185,7 @@ class Runtime:
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> CommitOptimizer:
         wrapped = CommitOptimizer(optimizer, self._sync_all_gradients, self._set_phase,
-                                  self._fire_raise_injections_now)
+                                  self._fire_raise_injections_now, self._settle_snapshot)
         self.optimizers.append(wrapped)
         return wrapped
 
@@ -377,6 +377,7 @@ class Runtime:
     def _recover(self, reason: str) -> None:
         """Leave the failed step, follow the controller's plan, and return at a committed step."""
         started = time.time()
+        self._settle_snapshot()  # a repair rewrites the state an overlapped snapshot may still be copying
         self._set_phase(PHASE_RECOVERING)
         if self._has_state:
             self.reporter.emit(ev.STEP_FAILED, step=self.committed_step, reason=reason)
@@ -550,6 +551,11 @@ class Runtime:
     def checkpoints(self) -> CheckpointEngine:
         """T1 snapshots and background T2 checkpoints of this worker (runtime/snapshots.py)."""
         return CheckpointEngine(self)
+
+    def _settle_snapshot(self) -> None:
+        """Wait for an overlapped T1 snapshot's background copy (before the state changes)."""
+        if "checkpoints" in self.__dict__:
+            self.checkpoints.settle()
 
     def _rank_state(self) -> dict[str, Any]:
         """This rank's own part of a snapshot, as of the last commit boundary."""

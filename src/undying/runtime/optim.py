@@ -25,11 +25,13 @@ class CommitOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, sync_gradients: Callable[[], bool],
-                 set_phase: Callable[[str], None], before_step: Callable[[], None] = lambda: None) -> None:
+                 set_phase: Callable[[str], None], before_step: Callable[[], None] = lambda: None,
+                 before_update: Callable[[], None] = lambda: None) -> None:
         self.optimizer = optimizer
         self._sync_gradients = sync_gradients
         self._set_phase = set_phase
         self._before_step = before_step
+        self._before_update = before_update  # e.g. wait for an overlapped snapshot's copy
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Apply the update iff every rank's step succeeded; otherwise apply nothing and return None.
@@ -40,6 +42,7 @@ class CommitOptimizer:
         self._before_step()
         if not self._sync_gradients():
             return None
+        self._before_update()
         self._set_phase(PHASE_UPDATING)
         result = self.optimizer.step(closure)
         self._set_phase(PHASE_UPDATED)

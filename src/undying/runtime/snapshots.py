@@ -91,7 +91,9 @@ class CheckpointEngine:
 
     - At every ``snapshot_interval``-th committed step (and at every checkpoint step) the
       rank's committed state is copied into its T1 slots; the training thread stalls for
-      that copy only. At every ``interval``-th step the snapshot also goes to T2 in the
+      that copy only, and with ``checkpoint.overlap`` only for the part that the next step
+      could change before its optimizer step (the rest overlaps that step's forward,
+      backward and gradient sync; ``settle`` waits for it). At every ``interval``-th step the snapshot also goes to T2 in the
       background (rank 0 writes the shared shard, each rank its rank file).
     - ``restore`` makes every rank hold the same step: the newest step that every rank holds
       in T1, if it is not older than the newest verified T2 checkpoint, else that T2
@@ -110,6 +112,10 @@ class CheckpointEngine:
         self._param_names: list[list[str]] | None = None
         self._stalls: dict[int, float] = {}  # checkpoint step -> its snapshot's seconds, until reported
         self._waited: dict[int, float] = {}  # step -> seconds its save waited for the previous one
+        self._copying: int | None = None  # the step of an overlapped snapshot whose copy may still run
+        self._stall = 0.0  # the training thread's seconds for the latest snapshot
+        self.last_stall = 0.0  # ... once settled: what the latest snapshot cost the training thread
+        self._reported_pageable = False
         job_id = os.environ.get(ENV_JOB_ID)
         # Only under an agent (which sets the job id) does someone own a node shared-memory
         # directory; a standalone run snapshots into private memory.
@@ -130,16 +136,51 @@ class CheckpointEngine:
         self._report_results()
 
     def snapshot(self, step: int) -> bool:
-        """Copy the committed state into T1; False if every other slot was pinned (skipped)."""
+        """Copy the committed state into T1; False if every other slot was pinned (skipped).
+
+        With ``checkpoint.overlap``, the parameters and optimizer state of the wrapped optimizers
+        are copied in the background (only their ``step()`` changes them, and it waits for the
+        copy: ``settle``); everything else (buffers, RNG, loaders, user state) is copied now."""
         state = {"replica": self.rt._replica_state(), "rank": self.rt._rank_state()}
+        defer = self._deferrable() if self.spec.overlap else None
         try:
             info = self.snapshots.write(state, step=step, generation=self.rt.generation,
-                                        world_size=self.rt.replicas)
+                                        world_size=self.rt.replicas, defer=defer)
         except SnapshotUnavailable as error:
             self._fall_back_to_private_memory(error)
             info = self.snapshots.write(state, step=step, generation=self.rt.generation,
-                                        world_size=self.rt.replicas)
+                                        world_size=self.rt.replicas, defer=defer)
+        if info is not None:
+            self._copying = step
+            self._stall = self.snapshots.last_copy_seconds
+        if self.snapshots.page_lock_error is not None and not self._reported_pageable:
+            self._reported_pageable = True
+            self.rt.reporter.emit(ev.SNAPSHOT_PAGEABLE, step=step, reason=self.snapshots.page_lock_error)
         return info is not None
+
+    def _deferrable(self) -> Callable[[torch.Tensor], bool]:
+        """True for a tensor whose storage is a parameter a wrapped optimizer updates, or that
+        optimizer's state: nothing but that optimizer's ``step()`` changes them."""
+        storages: set[int] = set()
+        for optimizer in self.rt.optimizers:
+            for group in optimizer.param_groups:
+                storages.update(param.untyped_storage().data_ptr() for param in group["params"])
+            for per_param in optimizer.state.values():
+                storages.update(value.untyped_storage().data_ptr() for value in per_param.values()
+                                if isinstance(value, torch.Tensor))
+        return lambda tensor: tensor.untyped_storage().data_ptr() in storages
+
+    def settle(self) -> None:
+        """Before anything changes the parameters or optimizer state (an optimizer step, a
+        recovery, the end): wait for an overlapped snapshot's copy to finish. Its stall (the
+        training thread's part of the copy plus this wait) is what ``checkpoint_save`` reports."""
+        if self._copying is None:
+            return
+        step, self._copying = self._copying, None
+        self._stall += self.snapshots.wait()
+        self.last_stall = self._stall
+        if step in self._stalls:
+            self._stalls[step] = self._stall
 
     def save(self, step: int) -> None:
         """Snapshot ``step`` and hand it to the persister (T2), which writes and commits it in the background."""
@@ -150,7 +191,7 @@ class CheckpointEngine:
         self._waited[step] = time.perf_counter() - waited_started
         if not self.snapshot(step):
             raise RuntimeError(f"no free snapshot slot for checkpoint step {step}")  # nothing is pinned now
-        self._stalls[step] = self.snapshots.last_copy_seconds
+        self._stalls[step] = self._stall  # the training thread's part so far; settle adds its wait
         persister.submit(step, self.rt.generation, list(self.rt.members), self._persist_fault(step))
 
     def _persist_fault(self, step: int) -> Callable[[], None] | None:
@@ -226,6 +267,7 @@ class CheckpointEngine:
 
     def close(self) -> None:
         """End of training: wait for the last checkpoint to be committed, report it, release memory."""
+        self.settle()
         if self._persister is not None:
             self._persister.close()
             self._report_results()

@@ -1,0 +1,25 @@
+"""The checkpoint benchmark still runs against the engine's current API (a smoke run at 4M parameters)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_checkpoint_benchmark_runs_on_a_tiny_model(tmp_path: Path) -> None:
+    out = tmp_path / "checkpoint.json"
+    done = subprocess.run([sys.executable, "bench/checkpoint.py", "--sizes", "tiny", "--repeats", "1",
+                           "--loop-rounds", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["size"] == "tiny" and row["adamw"]
+    for method in ("copy", "undying", "torch_save", "async_save"):
+        assert row[method]["stall_s"] > 0, method
+    assert row["undying"]["load_t1_s"] > 0 and row["undying"]["load_t2_s"] > 0
+    assert set(row["loop"]["step_s"]) == {"none", "boundary", "overlapped"}
+    assert "| tiny |" in done.stdout
