@@ -93,8 +93,9 @@ class CheckpointEngine:
       rank's committed state is copied into its T1 slots; the training thread stalls for
       that copy only, and with ``checkpoint.overlap`` only for the part that the next step
       could change before its optimizer step (the rest overlaps that step's forward,
-      backward and gradient sync; ``settle`` waits for it). At every ``interval``-th step the snapshot also goes to T2 in the
-      background (rank 0 writes the shared shard, each rank its rank file).
+      backward and gradient sync; ``settle`` waits for it). At every ``interval``-th step
+      the snapshot also goes to T2 in the background (rank 0 writes the shared shard, each
+      rank its rank file).
     - ``restore`` makes every rank hold the same step: the newest step that every rank holds
       in T1, if it is not older than the newest verified T2 checkpoint, else that T2
       checkpoint (read by rank 0 only, sent to the others over the process group), else
