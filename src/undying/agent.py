@@ -174,7 +174,7 @@ class Agent:
         while True:
             self._keep_standby()
             poll = AgentPoll(self.node, self.generation, [s.to_dict() for s in self._statuses()],
-                             wait=self.spec.monitor_interval, pid=os.getpid())
+                             wait=self.spec.monitor_interval, pid=os.getpid(), hostname=socket.gethostname())
             try:
                 order = Order.from_dict(self.client.post(ROUTE_AGENT_POLL, poll.to_dict(),
                                                          timeout=self.spec.monitor_interval + POLL_MARGIN))
@@ -316,7 +316,7 @@ class Agent:
         client = ControllerClient(self.controller_address, self.token, timeout=5.0, locator=self.locator)
         try:
             client.post(ROUTE_AGENT_REPORT, AgentPoll(self.node, self.generation, status, wait=0.0,
-                                                              pid=os.getpid()).to_dict())
+                                                      pid=os.getpid(), hostname=socket.gethostname()).to_dict())
         except (ControllerUnreachable, Unauthorized):
             pass  # the next poll carries the same status
         finally:

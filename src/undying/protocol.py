@@ -123,6 +123,7 @@ class AgentPoll(Message):
     workers: list[dict[str, Any]] = field(default_factory=list)  # WorkerStatus dicts
     wait: float = 1.0  # seconds the controller may hold the request open
     pid: int = 0  # the agent's process: an agent the node's place no longer belongs to is told to say hello
+    hostname: str = ""  # ... and its host (a pid names a process on one host only)
 
 
 @dataclass

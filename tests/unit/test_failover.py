@@ -64,6 +64,21 @@ def test_a_resumed_controller_keeps_the_generation_running_and_loses_the_silent_
     assert kinds(tmp_path / "b", ev.CONTROLLER_TAKEOVER)[0].details["previous_state"] == "running"
 
 
+def test_a_resumed_controller_knows_which_process_holds_each_node(tmp_path: Path) -> None:
+    """The saved state names each node's agent (pid and host): right after a takeover, a poll from
+    another process (an agent that was away while a spare took its place) is told to say hello."""
+    first = Job(tmp_path / "a", **RECOVERABLE)
+    first.start_running()
+    saved = first.controller.export_state()
+    assert (saved["nodes"]["1"]["pid"], saved["nodes"]["1"]["host"]) == (1001, "host1")
+    job = successor(tmp_path / "b", saved)
+    job.start()
+    stranger = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=4242, hostname="host1"))
+    assert (stranger.kind, stranger.reason) == (ORDER_NONE, "hello")
+    owner = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=1001, hostname="host1"))
+    assert owner.kind == ORDER_NONE and owner.reason != "hello"
+
+
 def test_a_controller_that_takes_over_a_recovery_restarts_the_job(tmp_path: Path) -> None:
     first = Job(tmp_path / "a", **RECOVERABLE)
     first.start_running()
@@ -156,10 +171,13 @@ def test_a_controller_not_sure_of_its_lease_answers_nobody_and_decides_nothing(t
 def test_an_agent_that_no_longer_holds_its_nodes_place_is_told_to_say_hello(tmp_path: Path) -> None:
     job = Job(tmp_path, **RECOVERABLE)
     job.start_running()
-    owner = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=1001))
+    owner = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=1001, hostname="host1"))
     assert owner.kind == ORDER_NONE and owner.reason != "hello"
-    stranger = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=4242))
+    stranger = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=4242, hostname="host1"))
     assert (stranger.kind, stranger.reason) == (ORDER_NONE, "hello")
+    # The same pid on another host is another process.
+    elsewhere = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=1001, hostname="host7"))
+    assert (elsewhere.kind, elsewhere.reason) == (ORDER_NONE, "hello")
 
 
 def test_a_superseded_process_of_a_rank_is_told_to_exit(tmp_path: Path) -> None:

@@ -265,10 +265,13 @@ class Controller:
 
     def _polled_by_owner(self, node: NodeRecord, poll: AgentPoll) -> bool:
         """The poll comes from the agent that holds the node's place (not one that was away while a
-        spare adopted it). A record restored by a failover learns its agent's pid here."""
+        spare adopted it): same pid on the same host. A record restored from an older saved state
+        (without them) learns its agent's here."""
         if not node.confirmed and node.pid == 0:
             node.pid = poll.pid
-        return not poll.pid or not node.pid or poll.pid == node.pid
+            node.hostname = poll.hostname or node.hostname
+        same_host = not poll.hostname or not node.hostname or poll.hostname == node.hostname
+        return not poll.pid or not node.pid or (poll.pid == node.pid and same_host)
 
     def report(self, poll: AgentPoll) -> None:
         """An agent's immediate report of a worker's exit (no order is handed out here)."""
@@ -483,7 +486,8 @@ class Controller:
             "restart_count": self.restart_count,
             "members": list(self.members),
             "spawned": {str(rank): record.spawn_generation for rank, record in self.ranks.items()},
-            "nodes": {str(n.node): {"standby": n.standby, "alive": n.alive} for n in self.nodes.values()},
+            "nodes": {str(n.node): {"standby": n.standby, "alive": n.alive, "pid": n.pid, "host": n.hostname}
+                      for n in self.nodes.values()},
             "adopted_by": {str(node): spare for node, spare in self.adopted_by.items()},
             "plan": None if self.generation not in self.plans else self.plans[self.generation].to_dict(),
             "claimed_injections": sorted(self.claimed_injections),
@@ -533,8 +537,10 @@ class Controller:
                 self.plans[self.generation] = Plan.from_dict(saved["plan"])
             for node_id, node in saved["nodes"].items():
                 if node["alive"]:
-                    self.nodes[int(node_id)] = NodeRecord(int(node_id), 0, "", now, standby=bool(node["standby"]),
-                                                          confirmed=False)
+                    # The agent's pid and host: a poll from another process is not the node's.
+                    self.nodes[int(node_id)] = NodeRecord(int(node_id), int(node.get("pid") or 0),
+                                                          str(node.get("host") or ""), now,
+                                                          standby=bool(node["standby"]), confirmed=False)
             for rank_text, spawned in saved["spawned"].items():
                 rank = int(rank_text)
                 self.ranks[rank] = RankRecord(rank, self._node_of(rank), int(spawned), now, last_heartbeat=now,
