@@ -38,6 +38,8 @@ SCENARIOS: dict[str, list[str]] = {
     "fault-free": [],
     "fault-free, warm standby off": ["--set", "warm_standby=false"],
     "job-restart, SIGKILL worker": ["--inject", f"kill:rank=1:step={FAULT_STEP}"],
+    "job-restart, SIGKILL worker, warm standby off": ["--set", "warm_standby=false",
+                                                      "--inject", f"kill:rank=1:step={FAULT_STEP}"],
     "job-restart, SIGSTOP worker (hang)": ["--inject", f"hang:rank=1:step={FAULT_STEP}"],
     "retry, exception in step": [*PROCESS, "--inject", f"raise:rank=1:step={FAULT_STEP}"],
     "recover-in-place, SIGKILL worker, cold": [*PROCESS, "--set", "warm_standby=false",

@@ -100,8 +100,9 @@ class Agent:
         self.worker_generations: dict[int, int] = {}  # rank -> generation its process was started in
         self.local_ranks: dict[int, int] = {}
         self.standbys: list[subprocess.Popen[bytes]] = []  # warm interpreters ready to become a rank
-        # A node keeps one warm standby (a failed rank is replaced); a spare keeps a whole node's worth.
-        self.standby_target = spec.nproc_per_node if spare else 1
+        # A whole node's worth: a replaced rank takes one, a job restart (or a spare adopting a node)
+        # starts every rank of the node from one.
+        self.standby_target = spec.nproc_per_node
         self.standby_due: float | None = None  # when to pre-start the next warm standby
         self._stopping = False
 
@@ -152,7 +153,7 @@ class Agent:
                 print(f"undying agent {self.node}: node {self.node} is served by a spare now; "
                       f"joining as spare {reply.node}", file=sys.stderr, flush=True)
                 self._stop_workers(grace=0.0)
-                self.node, self.spare, self.standby_target = reply.node, True, self.spec.nproc_per_node
+                self.node, self.spare = reply.node, True
                 self.workers, self.worker_generations, self.local_ranks = {}, {}, {}
             self.job_id = reply.job_id
             if self.spare and self.spec.warm_standby and not self.standbys:
@@ -211,7 +212,6 @@ class Agent:
             remove_node_dir(self.job_id, self.node)  # the spare id's (empty) T1 directory
         self.node = node
         self.spare = False
-        self.standby_target = 1  # the pool warmed for this node's ranks is used up by their start
         self._hello()
         self._claim_shared_memory()
 
@@ -243,8 +243,8 @@ class Agent:
         self.local_ranks = {rank: local for local, rank in enumerate(order.ranks)}
         for rank in order.ranks:
             self._spawn(rank, order, joining=False)
-        if self.spec.warm_standby and not self.standbys:
-            # Not now: the standby's own torch import would compete with the workers' start.
+        if self.spec.warm_standby and len(self.standbys) < self.standby_target:
+            # Not now: the standbys' own torch imports would compete with the workers' start.
             self.standby_due = time.time() + STANDBY_DELAY
 
     def _replace_workers(self, order: Order) -> None:
@@ -286,8 +286,9 @@ class Agent:
         env.pop(ENV_DIE_WITH_PARENT, None)
         log_path = log_dir / f"rank{rank}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
-        warm = joining and self._standby_ready()
-        kind = " (replacement, warm standby)" if warm else " (replacement)" if joining else ""
+        warm = self._standby_ready()
+        labels = ["replacement"] * joining + ["warm standby"] * warm
+        kind = f" ({', '.join(labels)})" if labels else ""
         log.write(f"--- generation {order.generation}{kind} ---\n".encode())
         log.flush()
         if warm:

@@ -85,9 +85,11 @@ class CheckpointSpec(BaseModel):
     T2 checkpoint steps). ``snapshot_slots``: T1 slots per rank, each the size of the rank's
     state; with 2, while the persister holds one the other is rewritten each time (a torn write
     falls back to the persisted step), with 3 a torn write falls back to the previous step.
-    ``overlap``: copy the parameters and optimizer state of a snapshot in the background,
-    overlapping the next step's forward, backward and gradient sync (its optimizer step
-    waits for the copy); off: the whole copy stalls the training loop at the step boundary."""
+    ``overlap``: ``on`` copies the parameters and optimizer state of a snapshot in the
+    background, overlapping the next step's forward, backward and gradient sync (its optimizer
+    step waits for the copy); ``off`` copies everything at the step boundary; ``auto`` (the
+    default) is ``on`` for a device's (GPU's) state and ``off`` for CPU state, where the copy
+    competes with training for the same cores (measured: no gain, docs/benchmarks.md)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -96,10 +98,11 @@ class CheckpointSpec(BaseModel):
     keep: int = Field(2, ge=1)
     snapshot_interval: int = Field(1, ge=0)
     snapshot_slots: int = Field(2, ge=2, le=8)
-    overlap: bool = True
+    overlap: Literal["auto", "on", "off"] = "auto"
 
     _reject_bool_numbers = field_validator("interval", "keep", "snapshot_interval", "snapshot_slots",
                                            mode="before")(_reject_bool)
+    _on_off_from_yaml_bool = field_validator("overlap", mode="before")(_on_off_from_bool)
 
     @field_validator("dir")
     @classmethod
@@ -145,7 +148,7 @@ class JobSpec(BaseModel):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     compile_cache: str | None = None
-    warm_standby: bool = True  # each agent keeps a pre-started interpreter to replace a rank quickly
+    warm_standby: bool = True  # each agent keeps a pre-started interpreter per rank: replacements, job restarts
     # Elastic training: how a replica covers a lost replica's share of the global batch.
     elastic_batch: Literal["accumulate", "grow"] = "accumulate"
     # Every rank appends the sample indices of each committed step to RUN_DIR/samples/ (audits, tests).

@@ -150,6 +150,7 @@ def test_min_nodes_between_one_and_nnodes() -> None:
         ("fault_scheduling", True, "force, grace, off"),
         ("watchdog", "loud", "on, off, detect-only"),
         ("backend", "mpi", "auto, gloo, nccl"),
+        ("checkpoint.overlap", "sometimes", "auto, on, off"),
     ],
 )
 def test_bad_enum_value_is_one_line_naming_field_value_and_choices(
@@ -331,6 +332,9 @@ def test_yaml_watchdog_on_and_quoted_detect_only(tmp_path: Path) -> None:
     assert load_job_spec(write_yaml(tmp_path, "watchdog: on\n")).watchdog == "on"
     assert load_job_spec(write_yaml(tmp_path, "watchdog: detect-only\n")).watchdog == "detect-only"
     assert load_job_spec(write_yaml(tmp_path, "pod_rescheduling: off\n")).pod_rescheduling == "off"
+    assert load_job_spec(write_yaml(tmp_path, "checkpoint:\n  overlap: on\n")).checkpoint.overlap == "on"
+    assert load_job_spec(write_yaml(tmp_path, "checkpoint:\n  overlap: off\n")).checkpoint.overlap == "off"
+    assert load_job_spec().checkpoint.overlap == "auto"
 
 
 def test_overrides_win_over_file_and_none_means_not_given(tmp_path: Path) -> None:

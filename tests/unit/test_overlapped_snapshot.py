@@ -62,7 +62,7 @@ TRAIN = textwrap.dedent("""
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_each_snapshot_holds_exactly_its_committed_step(tmp_path: os.PathLike, overlap: bool) -> None:
-    spec = {"checkpoint": {"snapshot_slots": 4, "overlap": overlap, "interval": 1000}}
+    spec = {"checkpoint": {"snapshot_slots": 4, "overlap": "on" if overlap else "auto", "interval": 1000}}
     env = {**os.environ, "UNDYING_SPEC": json.dumps(spec), "UNDYING_RUN_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", TRAIN], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -143,7 +143,7 @@ class CheckpointEngine:
         are copied in the background (only their ``step()`` changes them, and it waits for the
         copy: ``settle``); everything else (buffers, RNG, loaders, user state) is copied now."""
         state = {"replica": self.rt._replica_state(), "rank": self.rt._rank_state()}
-        defer = self._deferrable() if self.spec.overlap else None
+        defer = self._deferrable() if self._overlapped() else None
         try:
             info = self.snapshots.write(state, step=step, generation=self.rt.generation,
                                         world_size=self.rt.replicas, defer=defer)
@@ -158,6 +158,12 @@ class CheckpointEngine:
             self._reported_pageable = True
             self.rt.reporter.emit(ev.SNAPSHOT_PAGEABLE, step=step, reason=self.snapshots.page_lock_error)
         return info is not None
+
+    def _overlapped(self) -> bool:
+        """``checkpoint.overlap``; ``auto``: on where the state lives on a device (its copy engines
+        move the bytes beside the compute), off on CPU (the copy would take the training's cores)."""
+        mode = self.spec.overlap
+        return mode == "on" or (mode == "auto" and self.rt.device.type != "cpu")
 
     def _deferrable(self) -> Callable[[torch.Tensor], bool]:
         """True for a tensor whose storage is a parameter a wrapped optimizer updates, or that
