@@ -27,6 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from undying.checkpoint import latest_verified
+from undying.checkpoint.copy import updated_only_by
 from undying.checkpoint.dcp_format import optimizer_param_names, read_shared_shard
 from undying.checkpoint.persister import Persister
 from undying.checkpoint.snapshot import RankSnapshots, flatten_state
@@ -212,11 +213,7 @@ def measure_in_loop(layers: int, batch: int, rounds: int) -> dict[str, Any]:
     optimizer.step()  # AdamW's state exists from here on
     shm_dir = Path(os.environ.get("UNDYING_SHM_DIR", "/dev/shm")) / f"undying-bench-loop-{os.getpid()}" / "node0"
     snapshots = RankSnapshots(shm_dir, rank=0, slots=2)
-    updated = {tensor.untyped_storage().data_ptr() for tensor in
-               [*model.parameters(), *(v for state in optimizer.state.values() for v in state.values())]}
-
-    def defer(tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage().data_ptr() in updated
+    defer = updated_only_by([optimizer])  # what the runtime defers: parameters and AdamW state
 
     def state() -> dict[str, Any]:
         return {"replica": replica_state(model, optimizer), "rank": {"rng": {"torch": torch.get_rng_state()}}}

@@ -19,6 +19,7 @@ import pytest
 TRAIN = textwrap.dedent("""
     import json, time, torch, undying
     from undying.checkpoint import copy as copy_module
+    from undying.checkpoint.copy import updated_only_by
     copy_now = copy_module.copy_now
 
     def slow_copy(views, tensors):  # the helper thread's copy, made slower than the step's compute:
@@ -45,7 +46,7 @@ TRAIN = textwrap.dedent("""
             opt.zero_grad()
             committed[int(step) + 1] = state()  # what the commit of this step snapshots
     engine.settle()
-    deferrable = engine._deferrable()
+    deferrable = updated_only_by(rt.optimizers)
     held, mismatched = [], []
     for info in engine.snapshots.committed():
         snapshot = engine.snapshots.read(info.step)["replica"]["models"][0]

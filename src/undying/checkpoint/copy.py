@@ -15,9 +15,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
+
+
+def updated_only_by(optimizers: Iterable[Any]) -> Callable[[torch.Tensor], bool]:
+    """True for a tensor whose storage is a parameter one of ``optimizers`` updates, or that
+    optimizer's state: nothing but its ``step()`` changes them, so their copy may overlap the
+    next step's forward and backward."""
+    storages: set[int] = set()
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            storages.update(param.untyped_storage().data_ptr() for param in group["params"])
+        for per_param in optimizer.state.values():
+            storages.update(value.untyped_storage().data_ptr() for value in per_param.values()
+                            if isinstance(value, torch.Tensor))
+    return lambda tensor: tensor.untyped_storage().data_ptr() in storages
 
 
 def copy_now(views: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
@@ -46,12 +61,10 @@ class BackgroundCopy:
         self._ready = _record_ready_events(self._tensors)  # on the training thread, at hand-over
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self.seconds = 0.0  # the helper thread's copy time
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        started = time.perf_counter()
         try:
             pairs = list(zip(self._views, self._tensors, strict=True))
             # Host tensors, and those of devices without an event (their copies queue on the stream
@@ -60,7 +73,6 @@ class BackgroundCopy:
             copy_now([view for view, _ in other], [tensor for _, tensor in other])
             for device, event in self._ready.items():
                 _copy_from_device(device, event, [(view, tensor) for view, tensor in pairs if tensor.device == device])
-            self.seconds = time.perf_counter() - started
             self._then()
         except BaseException as error:  # noqa: BLE001 - handed to the thread that waits
             self.error = error

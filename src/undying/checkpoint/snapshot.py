@@ -352,7 +352,7 @@ class RankSnapshots:
         self._background: tuple[int, int, BackgroundCopy] | None = None  # (slot, step, copy) of a deferred write
         self.skipped = 0
         self.last_copy_seconds = 0.0  # the training thread's part of the last write
-        self.lock_pages_for_devices = True  # page-lock slots that receive device (CUDA) tensors
+        # Slots that receive device (CUDA) tensors are page-locked, until CUDA refuses once (why, here).
         self.page_lock_error: str | None = None
 
     # -- writing (training thread)
@@ -384,27 +384,27 @@ class RankSnapshots:
             if needed > slot.size:
                 slot.reserve(needed + max(META_SLACK, len(meta)))
                 slot.set_state(STATE_WRITING)
-            if self.lock_pages_for_devices and any(tensor.device.type == "cuda" for tensor in tensors):
+            if self.page_lock_error is None and any(tensor.device.type == "cuda" for tensor in tensors):
                 try:
                     slot.lock_pages()
                 except RuntimeError as error:  # pageable memory: the copies are right, only slower
-                    self.lock_pages_for_devices = False
                     self.page_lock_error = str(error)
-            views = slot.lay_out(layout)
-            later = [defer is not None and defer(tensor) for tensor in tensors]
-            copy_now([view for view, bg in zip(views, later, strict=True) if not bg],
-                     [tensor for tensor, bg in zip(tensors, later, strict=True) if not bg])
+            now: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (views, tensors)
+            later: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+            for view, tensor in zip(slot.lay_out(layout), tensors, strict=True):
+                part = later if defer is not None and defer(tensor) else now
+                part[0].append(view)
+                part[1].append(tensor)
+            copy_now(*now)
             self._seq += 1
             seq = self._seq
 
             def commit() -> None:
                 slot.write_meta_and_commit(meta, data_bytes, seq, step, generation, world_size)
 
-            if any(later):
+            if later[0]:
                 self._background = (slot.index, step, BackgroundCopy(
-                    [view for view, bg in zip(views, later, strict=True) if bg],
-                    [tensor for tensor, bg in zip(tensors, later, strict=True) if bg],
-                    then=lambda: self._committed_in_background(commit)))
+                    *later, then=lambda: self._committed_in_background(commit)))
                 deferred = True
                 info = SnapshotInfo(slot.index, seq, step, generation, world_size, data_bytes)
             else:

@@ -31,6 +31,7 @@ from undying.checkpoint import (
     make_root,
     remove_stale_partials,
 )
+from undying.checkpoint.copy import updated_only_by
 from undying.checkpoint.dcp_format import is_dcp_shard, optimizer_param_names, read_shared_shard
 from undying.checkpoint.persister import Persister, PersistResult
 from undying.checkpoint.snapshot import RankSnapshots, SnapshotUnavailable, flatten_state, unflatten_state
@@ -143,7 +144,7 @@ class CheckpointEngine:
         are copied in the background (only their ``step()`` changes them, and it waits for the
         copy: ``settle``); everything else (buffers, RNG, loaders, user state) is copied now."""
         state = {"replica": self.rt._replica_state(), "rank": self.rt._rank_state()}
-        defer = self._deferrable() if self._overlapped() else None
+        defer = updated_only_by(self.rt.optimizers) if self._overlapped() else None
         try:
             info = self.snapshots.write(state, step=step, generation=self.rt.generation,
                                         world_size=self.rt.replicas, defer=defer)
@@ -164,18 +165,6 @@ class CheckpointEngine:
         move the bytes beside the compute), off on CPU (the copy would take the training's cores)."""
         mode = self.spec.overlap
         return mode == "on" or (mode == "auto" and self.rt.device.type != "cpu")
-
-    def _deferrable(self) -> Callable[[torch.Tensor], bool]:
-        """True for a tensor whose storage is a parameter a wrapped optimizer updates, or that
-        optimizer's state: nothing but that optimizer's ``step()`` changes them."""
-        storages: set[int] = set()
-        for optimizer in self.rt.optimizers:
-            for group in optimizer.param_groups:
-                storages.update(param.untyped_storage().data_ptr() for param in group["params"])
-            for per_param in optimizer.state.values():
-                storages.update(value.untyped_storage().data_ptr() for value in per_param.values()
-                                if isinstance(value, torch.Tensor))
-        return lambda tensor: tensor.untyped_storage().data_ptr() in storages
 
     def settle(self) -> None:
         """Before anything changes the parameters or optimizer state (an optimizer step, a
