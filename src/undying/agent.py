@@ -38,20 +38,15 @@ from undying.protocol import (
     ENV_SPEC,
     ENV_STORE_PREFIX,
     ENV_TOKEN,
-    ORDER_ADOPT,
-    ORDER_EXIT,
-    ORDER_REPLACE,
-    ORDER_START,
-    ORDER_STOP,
     ROUTE_AGENT_HELLO,
     ROUTE_AGENT_POLL,
     ROUTE_AGENT_REPORT,
-    WORKER_EXITED,
-    WORKER_RUNNING,
     AgentHello,
     AgentPoll,
     HelloReply,
     Order,
+    OrderKind,
+    WorkerState,
     WorkerStatus,
 )
 from undying.shm import claim_node_dir, remove_node_dir, remove_stale
@@ -188,18 +183,18 @@ class Agent:
                     return 1
                 time.sleep(min(1.0, self.spec.monitor_interval))
                 continue
-            if order.reason == "hello" and order.kind != ORDER_EXIT:
+            if order.reason == "hello" and order.kind != OrderKind.EXIT:
                 self._stop_workers(grace=0.0)
                 self._hello()
-            elif order.kind == ORDER_START:
+            elif order.kind == OrderKind.START:
                 self._start_workers(order)
-            elif order.kind == ORDER_REPLACE:
+            elif order.kind == OrderKind.REPLACE:
                 self._replace_workers(order)
-            elif order.kind == ORDER_ADOPT:
+            elif order.kind == OrderKind.ADOPT:
                 self._adopt(order.node)
-            elif order.kind == ORDER_STOP:
+            elif order.kind == OrderKind.STOP:
                 self._stop_workers(grace=self._grace())
-            elif order.kind == ORDER_EXIT:
+            elif order.kind == OrderKind.EXIT:
                 self._stopping = True
                 self._stop_workers(grace=self._grace() if self._any_running() else 0.0)
                 return 0
@@ -230,7 +225,7 @@ class Agent:
             statuses.append(WorkerStatus(
                 rank=rank, local_rank=self.local_ranks[rank], pid=process.pid,
                 generation=self.worker_generations[rank],
-                state=WORKER_RUNNING if code is None else WORKER_EXITED,
+                state=WorkerState.RUNNING if code is None else WorkerState.EXITED,
                 exitcode=code, signal=signal_name(code)))
         return statuses
 

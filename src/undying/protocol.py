@@ -8,6 +8,7 @@ The routes and the environment contract between agent and worker live here too.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from typing import Any, TypeVar
 
 PROTOCOL_VERSION = 1
@@ -43,32 +44,44 @@ ENV_RESTART_COUNT = "UNDYING_RESTART_COUNT"
 ENV_STORE_PREFIX = "UNDYING_STORE_PREFIX"
 ENV_JOINING = "UNDYING_JOINING"  # "1": this worker replaces a lost rank in a live job
 
-# Phases a worker reports in its heartbeat (ARCHITECTURE.md "A step is a transaction").
-PHASE_STARTING = "starting"
-PHASE_COMPUTING = "computing"
-PHASE_SYNCING = "syncing"  # in the gradient all-reduce: waiting on peers, not stuck itself
-PHASE_UPDATING = "updating"
-PHASE_UPDATED = "updated"
-PHASE_DONE = "done"
-PHASE_RECOVERING = "recovering"
+class Phase(StrEnum):
+    """Where a worker is in its step, as its heartbeat reports it (docs/design.md, "A step is a transaction")."""
 
-# Order kinds the controller gives an agent.
-ORDER_NONE = "none"
-ORDER_START = "start"
-ORDER_STOP = "stop"
-ORDER_EXIT = "exit"
-ORDER_REPLACE = "replace"  # restart only the listed ranks, as newcomers of the given generation
-ORDER_ADOPT = "adopt"  # a spare (standby) agent takes over the lost node ``Order.node``
+    STARTING = "starting"
+    COMPUTING = "computing"
+    SYNCING = "syncing"  # in the gradient all-reduce: waiting on peers, not stuck itself
+    UPDATING = "updating"
+    UPDATED = "updated"
+    DONE = "done"
+    RECOVERING = "recovering"
 
-# What a recovery plan asks the workers to do.
-PLAN_WAIT = "wait"  # not ready yet: ask again
-PLAN_RESUME = "resume"  # build the generation's group, repair, re-run the step in flight
-PLAN_DUMP = "dump"  # the source writes the committed state to storage, then the job restarts
-PLAN_EXIT = "exit"  # this process has no part in what comes next
 
-# Worker states as the agent sees them.
-WORKER_RUNNING = "running"
-WORKER_EXITED = "exited"
+class OrderKind(StrEnum):
+    """What the controller tells an agent to do next."""
+
+    NONE = "none"
+    START = "start"
+    STOP = "stop"
+    EXIT = "exit"
+    REPLACE = "replace"  # restart only the listed ranks, as newcomers of the given generation
+    ADOPT = "adopt"  # a spare (standby) agent takes over the lost node ``Order.node``
+
+
+class PlanAction(StrEnum):
+    """What a recovery plan asks the workers to do."""
+
+    WAIT = "wait"  # not ready yet: ask again
+    RESUME = "resume"  # build the generation's group, repair, re-run the step in flight
+    DUMP = "dump"  # the source writes the committed state to storage, then the job restarts
+    EXIT = "exit"  # this process has no part in what comes next
+
+
+class WorkerState(StrEnum):
+    """A worker process as its agent sees it."""
+
+    RUNNING = "running"
+    EXITED = "exited"
+
 
 M = TypeVar("M", bound="Message")
 
@@ -111,7 +124,7 @@ class WorkerStatus(Message):
     local_rank: int
     pid: int
     generation: int
-    state: str  # WORKER_RUNNING or WORKER_EXITED
+    state: str  # WorkerState.RUNNING or WorkerState.EXITED
     exitcode: int | None = None
     signal: str | None = None
 
@@ -128,14 +141,14 @@ class AgentPoll(Message):
 
 @dataclass
 class Order(Message):
-    kind: str = ORDER_NONE
+    kind: str = OrderKind.NONE
     generation: int = 0
     ranks: list[int] = field(default_factory=list)
     world_size: int = 0
     store_port: int = 0
     restart_count: int = 0
     reason: str = ""
-    node: int = -1  # ORDER_ADOPT: the node whose place the spare takes
+    node: int = -1  # OrderKind.ADOPT: the node whose place the spare takes
 
 
 @dataclass
@@ -163,7 +176,7 @@ class RecoverRequest(Message):
 class Plan(Message):
     """What every rank does to leave a fault behind (ARCHITECTURE.md, "Recovery, step by step")."""
 
-    action: str = PLAN_WAIT
+    action: str = PlanAction.WAIT
     strategy: str = ""
     generation: int = 0
     world_size: int = 0

@@ -13,50 +13,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from undying.config import JobSpec
+from undying.faults import Fault, FaultReason
+from undying.strategy_names import CHAIN_ORDER, PROCESS_LEVEL, StrategyName
 
-RETRY = "retry"
-RECOVER_IN_PLACE = "recover-in-place"
-RECOVER = "recover"
-ELASTIC = "elastic-training"
-DUMP = "dump"
-JOB_RESTART = "job-restart"
-EXIT = "exit"
-
-# The process-level strategies, in MindCluster's order of preference.
-CHAIN_ORDER = (RETRY, RECOVER_IN_PLACE, RECOVER, ELASTIC, DUMP)
-# Strategies that keep the healthy processes and rebuild the process group around them.
-PROCESS_LEVEL = (RETRY, RECOVER_IN_PLACE, RECOVER, ELASTIC)
+RETRY = StrategyName.RETRY
+RECOVER_IN_PLACE = StrategyName.RECOVER_IN_PLACE
+RECOVER = StrategyName.RECOVER
+ELASTIC = StrategyName.ELASTIC
+DUMP = StrategyName.DUMP
+JOB_RESTART = StrategyName.JOB_RESTART
+EXIT = StrategyName.EXIT
 # How often the same step may be retried in place before the chain moves on.
 MAX_RETRIES_PER_STEP = 2
-
-
-@dataclass(frozen=True)
-class Fault:
-    """What the controller saw go wrong."""
-
-    reason: str  # worker_exit | agent_lost | heartbeat_missed | start_timeout | exit_timeout | step_failed
-    node: int | None = None
-    rank: int | None = None
-    step: int | None = None
-    exitcode: int | None = None
-    signal: str | None = None
-    detail: str = ""
-
-    def describe(self) -> str:
-        where = f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
-        if self.reason == "worker_exit":
-            how = f"killed by {self.signal}" if self.signal else f"exit code {self.exitcode}"
-            return f"{where} exited ({how})"
-        if self.reason == "agent_lost":
-            return f"node {self.node} lost (agent gone)"
-        if self.reason == "heartbeat_missed":
-            return f"{where} missed its heartbeats (hang?)"
-        if self.reason == "step_stalled":
-            return f"{where} is alive but committed no step within step_timeout (hang?)"
-        if self.reason == "step_failed":
-            return f"{where} could not complete its step ({self.detail})" if self.detail else \
-                f"{where} could not complete its step"
-        return f"{where}: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -104,7 +72,7 @@ class Retry:
     name = RETRY
 
     def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
-        if fault.reason != "step_failed" or context.lost_ranks:
+        if fault.reason != FaultReason.STEP_FAILED or context.lost_ranks:
             return "a process is gone or hung"
         if context.retries_at_step >= MAX_RETRIES_PER_STEP:
             return f"step already retried {context.retries_at_step} times"
@@ -117,7 +85,7 @@ class RecoverInPlace:
     name = RECOVER_IN_PLACE
 
     def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
-        if fault.reason == "agent_lost":
+        if fault.reason == FaultReason.AGENT_LOST:
             return "the node itself is lost"
         if not context.lost_ranks:
             return "no process to restart"
@@ -134,7 +102,7 @@ class Recover:
     name = RECOVER
 
     def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
-        if fault.reason != "agent_lost":
+        if fault.reason != FaultReason.AGENT_LOST:
             return "not a lost node"
         if context.spec.pod_rescheduling != "on":
             return "pod_rescheduling is off"

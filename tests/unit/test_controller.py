@@ -22,28 +22,18 @@ from undying.controller.core import Controller
 from undying.controller.state import ALLOWED_TRANSITIONS, IllegalTransition, JobState, check_transition
 from undying.events import Event, EventLog, read_events
 from undying.protocol import (
-    ORDER_ADOPT,
-    ORDER_EXIT,
-    ORDER_NONE,
-    ORDER_REPLACE,
-    ORDER_START,
-    ORDER_STOP,
-    PHASE_COMPUTING,
-    PHASE_DONE,
-    PLAN_DUMP,
-    PLAN_EXIT,
-    PLAN_RESUME,
-    PLAN_WAIT,
-    WORKER_EXITED,
-    WORKER_RUNNING,
     AgentHello,
     AgentPoll,
     Heartbeat,
     HelloReply,
     InjectionClaim,
     Order,
+    OrderKind,
+    Phase,
     Plan,
+    PlanAction,
     RecoverRequest,
+    WorkerState,
     WorkerStatus,
 )
 
@@ -89,7 +79,7 @@ class Job:
         nproc = self.spec.nproc_per_node if nproc is None else nproc
         return self.controller.hello(AgentHello(node, 1000 + node, f"host{node}", nproc))
 
-    def statuses(self, node: int, generation: int, state: str = WORKER_RUNNING,
+    def statuses(self, node: int, generation: int, state: str = WorkerState.RUNNING,
                  exitcode: int | None = None, signal: str | None = None) -> list[dict[str, Any]]:
         """What node's agent reports of its workers, all in one state."""
         return [
@@ -107,7 +97,7 @@ class Job:
         deadline = time.time() + timeout
         while True:
             order = self.poll(node, generation, workers, wait=0.1)
-            if order.kind != ORDER_NONE or time.time() > deadline:
+            if order.kind != OrderKind.NONE or time.time() > deadline:
                 return order
 
     def start_running(self) -> list[Order]:
@@ -116,7 +106,7 @@ class Job:
             assert self.hello(node).accepted
         self.start()
         orders = [self.next_order(node) for node in range(self.spec.nnodes)]
-        assert [order.kind for order in orders] == [ORDER_START] * self.spec.nnodes
+        assert [order.kind for order in orders] == [OrderKind.START] * self.spec.nnodes
         for node in range(self.spec.nnodes):
             self.poll(node, 1, self.statuses(node, 1))
         assert self.controller.state is JobState.RUNNING
@@ -124,7 +114,7 @@ class Job:
 
     # ------------------------------------------------------------ the workers
 
-    def beat(self, rank: int, step: int, phase: str = PHASE_COMPUTING, generation: int = 1) -> None:
+    def beat(self, rank: int, step: int, phase: str = Phase.COMPUTING, generation: int = 1) -> None:
         node = rank // self.spec.nproc_per_node
         self.controller.heartbeat(Heartbeat(rank, node, generation, step, phase, 2000 + rank))
 
@@ -192,7 +182,7 @@ def test_waits_for_every_node_then_orders_generation_one(make_job):
     job = make_job(nnodes=2, nproc_per_node=2)
     job.start()
     assert job.hello(0).accepted
-    assert job.poll(0, wait=0.3).kind == ORDER_NONE
+    assert job.poll(0, wait=0.3).kind == OrderKind.NONE
     assert job.controller.state is JobState.WAITING_FOR_NODES
     assert job.controller.generation == 0
 
@@ -200,7 +190,7 @@ def test_waits_for_every_node_then_orders_generation_one(make_job):
     assert (reply.accepted, reply.job_id, reply.store_port) == (True, JOB_ID, STORE_PORT)
     for node, ranks in ((0, [0, 1]), (1, [2, 3])):
         order = job.next_order(node)
-        assert order.kind == ORDER_START
+        assert order.kind == OrderKind.START
         assert order.generation == 1
         assert order.ranks == ranks
         assert (order.world_size, order.store_port, order.restart_count) == (4, STORE_PORT, 0)
@@ -227,7 +217,7 @@ def test_a_node_that_never_says_hello_fails_the_start(make_job):
     job.hello(0)
     job.start()
     order = job.next_order(0)
-    assert order.kind == ORDER_EXIT
+    assert order.kind == OrderKind.EXIT
     assert job.join() == 1
     assert job.controller.state is JobState.FAILED
     assert "[1]" in job.controller.message
@@ -237,7 +227,7 @@ def test_a_node_that_never_says_hello_fails_the_start(make_job):
 def test_a_poll_from_an_unknown_node_asks_for_hello(make_job):
     job = make_job()
     order = job.poll(0)
-    assert (order.kind, order.reason) == (ORDER_NONE, "hello")
+    assert (order.kind, order.reason) == (OrderKind.NONE, "hello")
 
 
 # ---------------------------------------------------------------- worker faults
@@ -254,12 +244,12 @@ def test_a_worker_exit_stops_every_node_then_starts_generation_two(make_job, exi
     for rank in range(4):
         job.beat(rank, step=7)
     node1 = job.statuses(1, 1)
-    node1[1] = WorkerStatus(3, 1, 2003, 1, WORKER_EXITED, exitcode, signal).to_dict()
+    node1[1] = WorkerStatus(3, 1, 2003, 1, WorkerState.EXITED, exitcode, signal).to_dict()
 
     stop = job.next_order(1, 1, node1)
-    assert (stop.kind, stop.generation, stop.reason) == (ORDER_STOP, 1, described)
+    assert (stop.kind, stop.generation, stop.reason) == (OrderKind.STOP, 1, described)
     stop = job.next_order(0, 1, job.statuses(0, 1))
-    assert (stop.kind, stop.generation) == (ORDER_STOP, 1)
+    assert (stop.kind, stop.generation) == (OrderKind.STOP, 1)
     assert job.controller.state is JobState.STOPPING
 
     [fault] = job.events(ev.FAULT_DETECTED)
@@ -275,13 +265,13 @@ def test_a_worker_exit_stops_every_node_then_starts_generation_two(make_job, exi
         ev.FAULT_DETECTED, ev.DECISION, ev.RESTART_BEGIN]
 
     # Node 0's workers are still running: no new generation until they are gone.
-    assert job.poll(0, 1, job.statuses(0, 1), wait=0.3).kind == ORDER_NONE
+    assert job.poll(0, 1, job.statuses(0, 1), wait=0.3).kind == OrderKind.NONE
     assert job.controller.state is JobState.STOPPING
-    job.poll(1, 1, job.statuses(1, 1, WORKER_EXITED, -15, "SIGTERM"))
-    starts = [job.next_order(node, 1, job.statuses(node, 1, WORKER_EXITED, -15, "SIGTERM"))
+    job.poll(1, 1, job.statuses(1, 1, WorkerState.EXITED, -15, "SIGTERM"))
+    starts = [job.next_order(node, 1, job.statuses(node, 1, WorkerState.EXITED, -15, "SIGTERM"))
               for node in (0, 1)]
     assert [(o.kind, o.generation, o.ranks, o.restart_count) for o in starts] == [
-        (ORDER_START, 2, [0, 1], 1), (ORDER_START, 2, [2, 3], 1)]
+        (OrderKind.START, 2, [0, 1], 1), (OrderKind.START, 2, [2, 3], 1)]
     assert job.controller.state is JobState.RUNNING
     assert [event.generation for event in job.events(ev.GENERATION_START)] == [1, 2]
     assert [event.generation for event in job.events(ev.RESTART_END)] == [2]
@@ -296,10 +286,10 @@ def test_a_worker_exit_stops_every_node_then_starts_generation_two(make_job, exi
 def test_max_restarts_zero_fails_the_job_and_orders_every_agent_to_exit(make_job):
     job = make_job(nnodes=2, nproc_per_node=1, max_restarts=0)
     job.start_running()
-    job.poll(0, 1, job.statuses(0, 1, WORKER_EXITED, 1))
+    job.poll(0, 1, job.statuses(0, 1, WorkerState.EXITED, 1))
 
     exits = [job.next_order(node, 1) for node in (0, 1)]
-    assert [order.kind for order in exits] == [ORDER_EXIT, ORDER_EXIT]
+    assert [order.kind for order in exits] == [OrderKind.EXIT, OrderKind.EXIT]
     assert job.join() == 1
     assert job.controller.state is JobState.FAILED
     assert job.controller.exit_code == 1
@@ -316,12 +306,12 @@ def test_max_restarts_zero_fails_the_job_and_orders_every_agent_to_exit(make_job
 def test_restarts_stop_once_max_restarts_are_used(make_job):
     job = make_job(nproc_per_node=1, max_restarts=1)
     job.start_running()
-    job.poll(0, 1, job.statuses(0, 1, WORKER_EXITED, 1))
-    assert job.next_order(0, 1).kind == ORDER_STOP
-    start = job.next_order(0, 1, job.statuses(0, 1, WORKER_EXITED, 1))
-    assert (start.kind, start.generation) == (ORDER_START, 2)
-    job.poll(0, 2, job.statuses(0, 2, WORKER_EXITED, 1))
-    assert job.next_order(0, 2).kind == ORDER_EXIT
+    job.poll(0, 1, job.statuses(0, 1, WorkerState.EXITED, 1))
+    assert job.next_order(0, 1).kind == OrderKind.STOP
+    start = job.next_order(0, 1, job.statuses(0, 1, WorkerState.EXITED, 1))
+    assert (start.kind, start.generation) == (OrderKind.START, 2)
+    job.poll(0, 2, job.statuses(0, 2, WorkerState.EXITED, 1))
+    assert job.next_order(0, 2).kind == OrderKind.EXIT
     assert job.join() == 1
     assert "max_restarts (1)" in job.controller.message
 
@@ -330,14 +320,14 @@ def test_every_rank_exiting_zero_succeeds(make_job):
     job = make_job(nnodes=2, nproc_per_node=2)
     job.start_running()
     for rank in range(4):
-        job.beat(rank, step=5, phase=PHASE_DONE)
+        job.beat(rank, step=5, phase=Phase.DONE)
     # One node finishing is not the job finishing.
-    assert job.poll(0, 1, job.statuses(0, 1, WORKER_EXITED, 0), wait=0.3).kind == ORDER_NONE
+    assert job.poll(0, 1, job.statuses(0, 1, WorkerState.EXITED, 0), wait=0.3).kind == OrderKind.NONE
     assert job.controller.state is JobState.RUNNING
 
-    job.poll(1, 1, job.statuses(1, 1, WORKER_EXITED, 0))
+    job.poll(1, 1, job.statuses(1, 1, WorkerState.EXITED, 0))
     exits = [job.next_order(node, 1) for node in (0, 1)]
-    assert [order.kind for order in exits] == [ORDER_EXIT, ORDER_EXIT]
+    assert [order.kind for order in exits] == [OrderKind.EXIT, OrderKind.EXIT]
     assert job.join() == 0
     assert job.controller.state is JobState.SUCCEEDED
     assert job.controller.message == "finished at step 5"
@@ -374,7 +364,7 @@ def test_a_rank_that_stops_heartbeating_is_a_heartbeat_missed_fault(make_job):
     assert job.events(ev.FAULT_DETECTED) == []
 
     stop = job.next_order(0, 1, job.statuses(0, 1))
-    assert stop.kind == ORDER_STOP
+    assert stop.kind == OrderKind.STOP
     [fault] = job.events(ev.FAULT_DETECTED)
     assert fault.details["reason"] == "heartbeat_missed"
     assert (fault.node, fault.rank) == (0, 0)
@@ -408,7 +398,7 @@ def test_step_stall_is_only_reported_with_watchdog_detect_only(make_job):
 def test_a_rank_that_never_heartbeats_is_a_start_timeout_fault(make_job):
     job = make_job(nproc_per_node=1, start_timeout=0.3)
     job.start_running()
-    assert job.next_order(0, 1, job.statuses(0, 1)).kind == ORDER_STOP
+    assert job.next_order(0, 1, job.statuses(0, 1)).kind == OrderKind.STOP
     [fault] = job.events(ev.FAULT_DETECTED)
     assert (fault.details["reason"], fault.rank) == ("start_timeout", 0)
 
@@ -424,24 +414,24 @@ def test_a_lost_agent_is_a_fault_and_the_restart_waits_for_its_hello(make_job):
     [lost] = job.events(ev.AGENT_LOST)
     assert lost.node == 1 and "-9" in lost.details["why"]
     # The lost node's agent is told to say hello again, not given the stop.
-    assert (job.poll(1).kind, job.poll(1).reason) == (ORDER_NONE, "hello")
+    assert (job.poll(1).kind, job.poll(1).reason) == (OrderKind.NONE, "hello")
 
-    assert job.next_order(0, 1, job.statuses(0, 1)).kind == ORDER_STOP
+    assert job.next_order(0, 1, job.statuses(0, 1)).kind == OrderKind.STOP
     [fault] = job.events(ev.FAULT_DETECTED)
     assert (fault.details["reason"], fault.node) == ("agent_lost", 1)
     assert fault.details["description"] == "node 1 lost (agent gone)"
 
-    stopped = job.statuses(0, 1, WORKER_EXITED, -15, "SIGTERM")
+    stopped = job.statuses(0, 1, WorkerState.EXITED, -15, "SIGTERM")
     job.poll(0, 1, stopped)
     job.wait_state(JobState.RESTARTING)
-    assert job.poll(0, 1, stopped, wait=0.3).kind == ORDER_NONE
+    assert job.poll(0, 1, stopped, wait=0.3).kind == OrderKind.NONE
     assert job.controller.generation == 1
 
     assert job.hello(1).accepted
     start0 = job.next_order(0, 1, stopped)
     start1 = job.next_order(1)
-    assert (start0.kind, start0.generation, start0.ranks) == (ORDER_START, 2, [0, 1])
-    assert (start1.kind, start1.generation, start1.ranks) == (ORDER_START, 2, [2, 3])
+    assert (start0.kind, start0.generation, start0.ranks) == (OrderKind.START, 2, [0, 1])
+    assert (start1.kind, start1.generation, start1.ranks) == (OrderKind.START, 2, [2, 3])
     assert [event.node for event in job.events(ev.AGENT_REGISTERED)] == [0, 1, 1]
 
 
@@ -449,7 +439,7 @@ def test_agent_exit_after_its_exit_order_is_not_a_loss(make_job):
     job = make_job(nnodes=2, nproc_per_node=1)
     job.start_running()
     job.controller.cancel("done with it")
-    assert job.next_order(1, 1).kind == ORDER_EXIT
+    assert job.next_order(1, 1).kind == OrderKind.EXIT
     job.controller.report_agent_exit(1, 0)
     assert job.events(ev.AGENT_LOST) == []
     assert job.lost_nodes == []
@@ -459,9 +449,9 @@ def test_a_node_that_never_returns_fails_the_job(make_job):
     job = make_job(nnodes=2, nproc_per_node=1, node_return_timeout=0.5)
     job.start_running()
     job.controller.report_agent_exit(1, None)
-    assert job.next_order(0, 1, job.statuses(0, 1)).kind == ORDER_STOP
-    order = job.next_order(0, 1, job.statuses(0, 1, WORKER_EXITED, -15, "SIGTERM"))
-    assert order.kind == ORDER_EXIT
+    assert job.next_order(0, 1, job.statuses(0, 1)).kind == OrderKind.STOP
+    order = job.next_order(0, 1, job.statuses(0, 1, WorkerState.EXITED, -15, "SIGTERM"))
+    assert order.kind == OrderKind.EXIT
     assert job.join() == 1
     assert job.controller.state is JobState.FAILED
     message = job.controller.message
@@ -472,7 +462,7 @@ def test_hello_again_from_a_live_node_is_a_loss_and_a_restart(make_job):
     job = make_job(nnodes=2, nproc_per_node=1)
     job.start_running()
     assert job.hello(1).accepted
-    assert job.next_order(0, 1, job.statuses(0, 1)).kind == ORDER_STOP
+    assert job.next_order(0, 1, job.statuses(0, 1)).kind == OrderKind.STOP
     [lost] = job.events(ev.AGENT_LOST)
     assert lost.node == 1
     assert job.lost_nodes == []  # the agent is already back: nothing to respawn
@@ -486,7 +476,7 @@ def test_cancel_ends_the_job_with_130_and_orders_agents_to_exit(make_job):
     job.start_running()
     job.controller.cancel("interrupted by the user")
     orders = [job.next_order(node, 1) for node in (0, 1)]
-    assert [(o.kind, o.reason) for o in orders] == [(ORDER_EXIT, "interrupted by the user")] * 2
+    assert [(o.kind, o.reason) for o in orders] == [(OrderKind.EXIT, "interrupted by the user")] * 2
     assert job.join() == 130
     assert job.controller.state is JobState.CANCELLED
     job.controller.cancel("again")
@@ -530,7 +520,7 @@ def test_status_reports_nodes_ranks_and_progress(make_job):
     assert node["seconds_since_poll"] >= 0
     assert set(status["ranks"]) == {"0", "1", "2", "3"}
     rank = status["ranks"]["1"]
-    assert (rank["node"], rank["step"], rank["phase"], rank["pid"]) == (0, 12, PHASE_COMPUTING, 2001)
+    assert (rank["node"], rank["step"], rank["phase"], rank["pid"]) == (0, 12, Phase.COMPUTING, 2001)
     assert (rank["done"], rank["exitcode"]) == (False, None)
     assert rank["seconds_since_heartbeat"] >= 0
     assert status["ranks"]["3"]["seconds_since_heartbeat"] is None
@@ -567,7 +557,7 @@ def recovering_job(make_job: Callable[..., Job], step: int = 7, **spec_fields: A
 def report_exit(job: Job, rank: int, generation: int = 1) -> None:
     """The agent's immediate report that ``rank``'s process (spawned in ``generation``) was killed."""
     node = rank // job.spec.nproc_per_node
-    status = WorkerStatus(rank, rank % job.spec.nproc_per_node, 2000 + rank, generation, WORKER_EXITED,
+    status = WorkerStatus(rank, rank % job.spec.nproc_per_node, 2000 + rank, generation, WorkerState.EXITED,
                           -9, "SIGKILL")
     job.controller.report(AgentPoll(node, generation, [status.to_dict()]))
 
@@ -594,17 +584,17 @@ def check_in_together(job: Job, requests: list[RecoverRequest]) -> dict[int, Pla
 
 def test_a_killed_worker_is_recovered_in_place_and_only_it_restarts(make_job):
     job = recovering_job(make_job)
-    assert job.controller.heartbeat(Heartbeat(0, 0, 1, 7, PHASE_COMPUTING, 2000)).abort_generation == 0
+    assert job.controller.heartbeat(Heartbeat(0, 0, 1, 7, Phase.COMPUTING, 2000)).abort_generation == 0
     report_exit(job, 3)
 
     node1 = job.statuses(1, 1)
-    node1[1] = WorkerStatus(3, 1, 2003, 1, WORKER_EXITED, -9, "SIGKILL").to_dict()
+    node1[1] = WorkerStatus(3, 1, 2003, 1, WorkerState.EXITED, -9, "SIGKILL").to_dict()
     replace = job.next_order(1, 1, node1)
-    assert (replace.kind, replace.generation, replace.ranks) == (ORDER_REPLACE, 2, [3])
+    assert (replace.kind, replace.generation, replace.ranks) == (OrderKind.REPLACE, 2, [3])
     assert (replace.world_size, replace.store_port, replace.restart_count) == (4, STORE_PORT, 1)
     assert job.controller.state is JobState.RECOVERING
     # Node 0's workers keep running: it gets no order at all.
-    assert job.poll(0, 1, job.statuses(0, 1), wait=0.2).kind == ORDER_NONE
+    assert job.poll(0, 1, job.statuses(0, 1), wait=0.2).kind == OrderKind.NONE
     [decision] = job.events(ev.DECISION)
     assert decision.details["strategy"] == "recover-in-place"
     assert decision.details["lost_ranks"] == [3]
@@ -616,14 +606,14 @@ def test_a_killed_worker_is_recovered_in_place_and_only_it_restarts(make_job):
     assert (replaced.node, replaced.generation, replaced.details) == (1, 2, {"ranks": [3]})
     # Heartbeats tell the survivors to leave generation 1's collectives.
     for rank in (0, 1, 2):
-        assert job.controller.heartbeat(Heartbeat(rank, rank // 2, 1, 7, PHASE_COMPUTING, 2000 + rank)) \
+        assert job.controller.heartbeat(Heartbeat(rank, rank // 2, 1, 7, Phase.COMPUTING, 2000 + rank)) \
             .abort_generation == 1
     assert job.controller.status()["recovery"] == {
         "strategy": "recover-in-place", "generation": 2, "waiting_for": [0, 1, 2, 3], "awaited_nodes": []}
 
     plans = check_in_together(job, [survivor(job, 0, 7), survivor(job, 1, 7), survivor(job, 2, 7),
                                     newcomer(job, 3)])
-    expected = Plan(action=PLAN_RESUME, strategy="recover-in-place", generation=2, world_size=4, target_step=7,
+    expected = Plan(action=PlanAction.RESUME, strategy="recover-in-place", generation=2, world_size=4, target_step=7,
                     source_rank=0, receivers=[3], reason="rank 3 exited (killed by SIGKILL)", members=[0, 1, 2, 3],
                     store=f"127.0.0.1:{STORE_PORT}")
     assert plans == {rank: expected for rank in range(4)}
@@ -633,7 +623,7 @@ def test_a_killed_worker_is_recovered_in_place_and_only_it_restarts(make_job):
     [published] = job.events(ev.RECOVERY_PLAN)
     assert (published.generation, published.step) == (2, 7)
     assert (published.details["action"], published.details["source_rank"], published.details["receivers"]) == (
-        PLAN_RESUME, 0, [3])
+        PlanAction.RESUME, 0, [3])
     assert job.events(ev.RESTART_BEGIN) == [] and job.events(ev.RECOVERY_FAILED) == []
 
     # A rank that asks again after the plan was published gets the same plan.
@@ -644,19 +634,19 @@ def test_a_killed_worker_is_recovered_in_place_and_only_it_restarts(make_job):
     for rank in (0, 1, 2):
         job.beat(rank, 8, generation=2)
     assert job.controller.status()["committed_step"] == 8
-    assert job.poll(0, 2, job.statuses(0, 2), wait=0.3).kind == ORDER_NONE
+    assert job.poll(0, 2, job.statuses(0, 2), wait=0.3).kind == OrderKind.NONE
     assert job.controller.state is JobState.RUNNING
 
 
 def test_a_survivor_a_step_behind_receives_the_state_too(make_job):
     job = recovering_job(make_job)
     report_exit(job, 3)
-    assert job.next_order(1, 1).kind == ORDER_REPLACE
+    assert job.next_order(1, 1).kind == OrderKind.REPLACE
 
     plans = check_in_together(job, [survivor(job, 0, 6), survivor(job, 1, 7), survivor(job, 2, 7),
                                     newcomer(job, 3)])
     assert {(plan.action, plan.target_step, plan.source_rank, tuple(plan.receivers)) for plan in plans.values()} \
-        == {(PLAN_RESUME, 7, 1, (0, 3))}
+        == {(PlanAction.RESUME, 7, 1, (0, 3))}
     assert job.controller.state is JobState.RUNNING
     assert job.controller.generation == 2
 
@@ -667,7 +657,7 @@ def test_a_failed_step_with_every_process_alive_is_retried_without_receivers(mak
     plans = check_in_together(job, requests)
 
     for plan in plans.values():
-        assert (plan.action, plan.strategy, plan.generation, plan.world_size) == (PLAN_RESUME, "retry", 2, 4)
+        assert (plan.action, plan.strategy, plan.generation, plan.world_size) == (PlanAction.RESUME, "retry", 2, 4)
         assert (plan.target_step, plan.source_rank, plan.receivers) == (7, 0, [])
         assert plan.reason.endswith("could not complete its step (allreduce timed out)")
     assert job.controller.state is JobState.RUNNING
@@ -679,7 +669,7 @@ def test_a_failed_step_with_every_process_alive_is_retried_without_receivers(mak
     assert (begin.details["survivors"], begin.details["newcomers"]) == ([0, 1, 2, 3], [])
     # Nobody is restarted.
     assert job.events(ev.REPLACE) == []
-    assert [job.poll(node, 1, job.statuses(node, 1), wait=0.2).kind for node in (0, 1)] == [ORDER_NONE] * 2
+    assert [job.poll(node, 1, job.statuses(node, 1), wait=0.2).kind for node in (0, 1)] == [OrderKind.NONE] * 2
 
 
 def test_a_lost_node_is_recovered_once_it_says_hello_again(make_job):
@@ -695,24 +685,24 @@ def test_a_lost_node_is_recovered_once_it_says_hello_again(make_job):
 
     # The survivors check in, but nothing is replaced and no plan is made until the node is back.
     for rank in (0, 1):
-        assert job.controller.recover(survivor(job, rank, 7, wait=0.0)).action == PLAN_WAIT
-    assert job.poll(0, 1, job.statuses(0, 1), wait=0.3).kind == ORDER_NONE
+        assert job.controller.recover(survivor(job, rank, 7, wait=0.0)).action == PlanAction.WAIT
+    assert job.poll(0, 1, job.statuses(0, 1), wait=0.3).kind == OrderKind.NONE
     assert job.events(ev.REPLACE) == []
     assert job.controller.status()["recovery"]["awaited_nodes"] == [1]
     assert job.poll(1).reason == "hello"
 
     assert job.hello(1).accepted
     replace = job.next_order(1)
-    assert (replace.kind, replace.generation, replace.ranks, replace.restart_count) == (ORDER_REPLACE, 2, [2, 3], 1)
+    assert (replace.kind, replace.generation, replace.ranks, replace.restart_count) == (OrderKind.REPLACE, 2, [2, 3], 1)
     plans = check_in_together(job, [survivor(job, 0, 7), survivor(job, 1, 7), newcomer(job, 2), newcomer(job, 3)])
-    expected = Plan(action=PLAN_RESUME, strategy="recover", generation=2, world_size=4, target_step=7,
+    expected = Plan(action=PlanAction.RESUME, strategy="recover", generation=2, world_size=4, target_step=7,
                     source_rank=0, receivers=[2, 3], reason="node 1 lost (agent gone)", members=[0, 1, 2, 3],
                     store=f"127.0.0.1:{STORE_PORT}")
     assert plans == {rank: expected for rank in range(4)}
     assert job.controller.state is JobState.RUNNING
     assert job.controller.generation == 2
     # Node 0 was never stopped.
-    assert [order for order in (job.poll(0, 1, job.statuses(0, 1)),) if order.kind != ORDER_NONE] == []
+    assert [order for order in (job.poll(0, 1, job.statuses(0, 1)),) if order.kind != OrderKind.NONE] == []
 
 
 def test_a_dump_writes_the_dying_checkpoint_then_the_job_restarts(make_job):
@@ -727,33 +717,33 @@ def test_a_dump_writes_the_dying_checkpoint_then_the_job_restarts(make_job):
     assert job.events(ev.RECOVERY_BEGIN) == []
 
     plans = check_in_together(job, [survivor(job, 0, 9), survivor(job, 1, 9)])
-    expected = Plan(action=PLAN_DUMP, strategy="dump", generation=2, world_size=3, target_step=9, source_rank=0,
+    expected = Plan(action=PlanAction.DUMP, strategy="dump", generation=2, world_size=3, target_step=9, source_rank=0,
                     receivers=[], reason="node 2 lost (agent gone)", members=[0, 1, 2],
                     store=f"127.0.0.1:{STORE_PORT}")
     assert plans == {0: expected, 1: expected}
     # The dump is not the end of the recovery: the job waits for the checkpoint.
-    assert job.poll(0, 1, job.statuses(0, 1), wait=0.3).kind == ORDER_NONE
+    assert job.poll(0, 1, job.statuses(0, 1), wait=0.3).kind == OrderKind.NONE
     assert job.controller.state is JobState.RECOVERING
 
     job.controller.worker_event(Event(ev.DUMP_COMMITTED, node=0, rank=0, step=9, generation=2).__dict__)
     stops = [job.next_order(node, 1, job.statuses(node, 1)) for node in (0, 1)]
-    assert [order.kind for order in stops] == [ORDER_STOP, ORDER_STOP]
+    assert [order.kind for order in stops] == [OrderKind.STOP, OrderKind.STOP]
     assert job.controller.state is JobState.STOPPING
     [restart] = job.events(ev.RESTART_BEGIN)
     assert restart.details["fault"] == "dying checkpoint of step 9 committed"
 
     # The job-level restart starts every rank afresh once the lost node is back.
     for node in (0, 1):
-        job.poll(node, 1, job.statuses(node, 1, WORKER_EXITED, -15, "SIGTERM"))
+        job.poll(node, 1, job.statuses(node, 1, WorkerState.EXITED, -15, "SIGTERM"))
     assert job.hello(2).accepted
-    starts = [job.next_order(node, 1, job.statuses(node, 1, WORKER_EXITED, -15, "SIGTERM")) for node in (0, 1, 2)]
-    assert [(order.kind, order.generation) for order in starts] == [(ORDER_START, 3)] * 3
+    starts = [job.next_order(node, 1, job.statuses(node, 1, WorkerState.EXITED, -15, "SIGTERM")) for node in (0, 1, 2)]
+    assert [(order.kind, order.generation) for order in starts] == [(OrderKind.START, 3)] * 3
 
 
 def test_a_dump_committed_outside_a_dump_changes_nothing(make_job):
     job = recovering_job(make_job)
     job.controller.worker_event(Event(ev.DUMP_COMMITTED, node=0, rank=0, step=7, generation=1).__dict__)
-    assert job.poll(0, 1, job.statuses(0, 1), wait=0.3).kind == ORDER_NONE
+    assert job.poll(0, 1, job.statuses(0, 1), wait=0.3).kind == OrderKind.NONE
     assert job.controller.state is JobState.RUNNING
     assert job.events(ev.RESTART_BEGIN) == []
 
@@ -764,11 +754,11 @@ def test_a_survivor_that_dies_before_checking_in_is_replaced_too(make_job):
     assert job.next_order(1, 1).ranks == [3]
     report_exit(job, 2)
     second = job.next_order(1, 1)
-    assert (second.kind, second.generation, second.ranks) == (ORDER_REPLACE, 2, [2])
+    assert (second.kind, second.generation, second.ranks) == (OrderKind.REPLACE, 2, [2])
 
     plans = check_in_together(job, [survivor(job, 0, 7), survivor(job, 1, 7), newcomer(job, 2), newcomer(job, 3)])
     assert {(plan.action, plan.strategy, plan.source_rank, tuple(plan.receivers)) for plan in plans.values()} == {
-        (PLAN_RESUME, "recover-in-place", 0, (2, 3))}
+        (PlanAction.RESUME, "recover-in-place", 0, (2, 3))}
     assert job.events(ev.RECOVERY_FAILED) == []
     assert job.controller.restart_count == 1
 
@@ -776,12 +766,12 @@ def test_a_survivor_that_dies_before_checking_in_is_replaced_too(make_job):
 def test_a_second_exit_of_a_checked_in_rank_fails_the_recovery_and_restarts_the_job(make_job):
     job = recovering_job(make_job)
     report_exit(job, 3)
-    assert job.next_order(1, 1).kind == ORDER_REPLACE
-    assert job.controller.recover(survivor(job, 0, 7, wait=0.0)).action == PLAN_WAIT
+    assert job.next_order(1, 1).kind == OrderKind.REPLACE
+    assert job.controller.recover(survivor(job, 0, 7, wait=0.0)).action == PlanAction.WAIT
 
     report_exit(job, 0)
     stops = [job.next_order(node, 1) for node in (0, 1)]
-    assert [(order.kind, order.generation) for order in stops] == [(ORDER_STOP, 2), (ORDER_STOP, 2)]
+    assert [(order.kind, order.generation) for order in stops] == [(OrderKind.STOP, 2), (OrderKind.STOP, 2)]
     assert job.controller.state is JobState.STOPPING
     [failed] = job.events(ev.RECOVERY_FAILED)
     assert failed.details == {"strategy": "recover-in-place",
@@ -792,7 +782,7 @@ def test_a_second_exit_of_a_checked_in_rank_fails_the_recovery_and_restarts_the_
     assert "recover-in-place: already failed" in decisions[1].details["reason"]
     assert job.controller.faults_total["recovery_failed"] == 1
     # A rank still asking for a plan is told it has no part in what comes next.
-    assert job.controller.recover(survivor(job, 1, 7, wait=0.0)).action == PLAN_EXIT
+    assert job.controller.recover(survivor(job, 1, 7, wait=0.0)).action == PlanAction.EXIT
 
 
 def test_a_recovery_past_its_deadline_fails_and_the_job_restarts(make_job):
@@ -801,10 +791,10 @@ def test_a_recovery_past_its_deadline_fails_and_the_job_restarts(make_job):
     job.controller.report_agent_exit(1, -9)
     job.wait_state(JobState.RECOVERING)
     for rank in (0, 1):
-        assert job.controller.recover(survivor(job, rank, 7, wait=0.0)).action == PLAN_WAIT
+        assert job.controller.recover(survivor(job, rank, 7, wait=0.0)).action == PlanAction.WAIT
 
     stop = job.next_order(0, 1, job.statuses(0, 1))
-    assert (stop.kind, stop.generation) == (ORDER_STOP, 2)
+    assert (stop.kind, stop.generation) == (OrderKind.STOP, 2)
     [failed] = job.events(ev.RECOVERY_FAILED)
     assert failed.details == {"strategy": "recover", "why": "recover timed out waiting for [2, 3]"}
     assert [decision.details["strategy"] for decision in job.events(ev.DECISION)] == ["recover", "job-restart"]
@@ -835,21 +825,21 @@ def test_a_spare_agent_holds_no_ranks_and_takes_a_lost_nodes_place(make_job):
     assert not refused.accepted and "needs a node id >= nnodes (2), got 1" in refused.reason
     assert job.controller.hello(AgentHello(2, 1002, "spare", 2, standby=True)).accepted
     job.start_running()  # nodes 0 and 1 start; the spare gets no start order
-    assert job.poll(2, wait=0.2).kind == ORDER_NONE
+    assert job.poll(2, wait=0.2).kind == OrderKind.NONE
     assert job.controller.status()["nodes"]["2"]["standby"] is True
     for rank in range(4):
         job.beat(rank, 7)
 
     job.controller.report_agent_exit(1, -9)
     adopt = job.next_order(2)
-    assert (adopt.kind, adopt.node) == (ORDER_ADOPT, 1)
+    assert (adopt.kind, adopt.node) == (OrderKind.ADOPT, 1)
     [event] = job.events(ev.STANDBY_ADOPT)
     assert event.node == 1 and event.details["spare"] == 2
     assert job.controller.agent_id_of(1) == 2
     # The spare says hello as node 1 and is ordered to start node 1's ranks as replacements.
     assert job.hello(1).accepted
     replace = job.next_order(1)
-    assert (replace.kind, replace.ranks) == (ORDER_REPLACE, [2, 3])
+    assert (replace.kind, replace.ranks) == (OrderKind.REPLACE, [2, 3])
     assert "2" not in job.controller.status()["nodes"]
     # Node 1's own agent comes back (a frozen node woke up, a partition healed): the spare keeps
     # serving node 1, and the returning agent joins as a new spare instead of evicting it.

@@ -17,7 +17,7 @@ from undying.controller.etcd import EtcdClient
 from undying.controller.ha import Candidate, locate_controller
 from undying.controller.state import JobState
 from undying.events import read_events
-from undying.protocol import ORDER_NONE, ORDER_STOP, PLAN_EXIT, AgentPoll, InjectionClaim, RecoverRequest
+from undying.protocol import AgentPoll, InjectionClaim, OrderKind, PlanAction, RecoverRequest
 
 RECOVERABLE = {"nnodes": 2, "nproc_per_node": 2, "process_recover": True, "recover_strategy": ["recover-in-place", "recover"],
                "pod_rescheduling": "on"}
@@ -51,7 +51,7 @@ def test_a_resumed_controller_keeps_the_generation_running_and_loses_the_silent_
     while not kinds(tmp_path / "b", ev.DECISION) and time.time() < deadline:
         job.controller.recover(RecoverRequest(2, 1, 1, 7, 2002, "allreduce failed", wait=0.0))
         order = job.poll(1, 1, job.statuses(1, 1), wait=0.05)
-        assert order.kind == ORDER_NONE, order  # node 1's workers keep running
+        assert order.kind == OrderKind.NONE, order  # node 1's workers keep running
         job.beat(3, 7)
     lost = kinds(tmp_path / "b", ev.AGENT_LOST)
     assert [event.node for event in lost] == [0]
@@ -74,9 +74,9 @@ def test_a_resumed_controller_knows_which_process_holds_each_node(tmp_path: Path
     job = successor(tmp_path / "b", saved)
     job.start()
     stranger = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=4242, hostname="host1"))
-    assert (stranger.kind, stranger.reason) == (ORDER_NONE, "hello")
+    assert (stranger.kind, stranger.reason) == (OrderKind.NONE, "hello")
     owner = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=1001, hostname="host1"))
-    assert owner.kind == ORDER_NONE and owner.reason != "hello"
+    assert owner.kind == OrderKind.NONE and owner.reason != "hello"
 
 
 def test_a_controller_that_takes_over_a_recovery_restarts_the_job(tmp_path: Path) -> None:
@@ -87,7 +87,7 @@ def test_a_controller_that_takes_over_a_recovery_restarts_the_job(tmp_path: Path
     assert job.controller.state is JobState.STOPPING
     assert job.controller.restart_count == 1
     job.start()
-    assert job.next_order(0, 1, job.statuses(0, 1)).kind == ORDER_STOP
+    assert job.next_order(0, 1, job.statuses(0, 1)).kind == OrderKind.STOP
 
 
 def test_an_injection_claimed_before_the_failover_is_not_granted_again(tmp_path: Path) -> None:
@@ -172,12 +172,12 @@ def test_an_agent_that_no_longer_holds_its_nodes_place_is_told_to_say_hello(tmp_
     job = Job(tmp_path, **RECOVERABLE)
     job.start_running()
     owner = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=1001, hostname="host1"))
-    assert owner.kind == ORDER_NONE and owner.reason != "hello"
+    assert owner.kind == OrderKind.NONE and owner.reason != "hello"
     stranger = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=4242, hostname="host1"))
-    assert (stranger.kind, stranger.reason) == (ORDER_NONE, "hello")
+    assert (stranger.kind, stranger.reason) == (OrderKind.NONE, "hello")
     # The same pid on another host is another process.
     elsewhere = job.controller.poll(AgentPoll(1, 1, job.statuses(1, 1), 0.0, pid=1001, hostname="host7"))
-    assert (elsewhere.kind, elsewhere.reason) == (ORDER_NONE, "hello")
+    assert (elsewhere.kind, elsewhere.reason) == (OrderKind.NONE, "hello")
 
 
 def test_a_superseded_process_of_a_rank_is_told_to_exit(tmp_path: Path) -> None:
@@ -188,4 +188,4 @@ def test_a_superseded_process_of_a_rank_is_told_to_exit(tmp_path: Path) -> None:
     record = job.controller.ranks[3]
     record.spawn_generation, record.pid = 2, 9003
     plan = job.controller.recover(RecoverRequest(3, 1, 1, 7, 2003, "woke up", wait=0.0))
-    assert plan.action == PLAN_EXIT and "9003" in plan.reason
+    assert plan.action == PlanAction.EXIT and "9003" in plan.reason

@@ -7,7 +7,7 @@ as the source, and sends the state to the newcomers and to every survivor behind
 from __future__ import annotations
 
 from undying.controller.recovery import ActiveRecovery
-from undying.protocol import PLAN_DUMP, PLAN_RESUME, Plan
+from undying.protocol import Plan, PlanAction
 from undying.strategies import DUMP, RECOVER, RECOVER_IN_PLACE, RETRY, Fault
 
 KILLED = Fault("worker_exit", node=1, rank=3, step=7, exitcode=-9, signal="SIGKILL")
@@ -59,7 +59,7 @@ def test_the_plan_resumes_from_the_survivors_step_with_the_newcomer_as_receiver(
     active.checked_in.update({0: 7, 1: 7, 2: 7})
     active.newcomers_ready.add(3)
     plan = active.make_plan()
-    assert plan == Plan(action=PLAN_RESUME, strategy=RECOVER_IN_PLACE, generation=2, world_size=4, target_step=7,
+    assert plan == Plan(action=PlanAction.RESUME, strategy=RECOVER_IN_PLACE, generation=2, world_size=4, target_step=7,
                         source_rank=0, receivers=[3], reason="rank 3 exited (killed by SIGKILL)", members=[0, 1, 2, 3])
     assert active.plan is plan
 
@@ -88,21 +88,21 @@ def test_a_retry_with_every_survivor_at_the_same_step_has_no_receivers():
     assert active.ready()
     plan = active.make_plan()
     assert (plan.action, plan.strategy, plan.target_step, plan.source_rank, plan.receivers) == (
-        PLAN_RESUME, RETRY, 7, 0, [])
+        PlanAction.RESUME, RETRY, 7, 0, [])
     assert plan.reason == "rank 2 could not complete its step (allreduce timed out)"
 
 
 def test_the_dump_strategy_plans_a_dump():
     active = recovery(DUMP, survivors={0, 1, 2}, newcomers=set())
-    assert active.action == PLAN_DUMP
+    assert active.action == PlanAction.DUMP
     active.checked_in.update({0: 5, 1: 6, 2: 6})
     assert active.ready()
     plan = active.make_plan()
-    assert (plan.action, plan.strategy, plan.generation) == (PLAN_DUMP, DUMP, 2)
+    assert (plan.action, plan.strategy, plan.generation) == (PlanAction.DUMP, DUMP, 2)
     # The source writes the newest committed state.
     assert (plan.target_step, plan.source_rank) == (6, 1)
 
 
 def test_every_other_strategy_plans_a_resume():
     for strategy in (RETRY, RECOVER_IN_PLACE, RECOVER):
-        assert recovery(strategy).action == PLAN_RESUME
+        assert recovery(strategy).action == PlanAction.RESUME

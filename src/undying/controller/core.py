@@ -27,19 +27,6 @@ from undying.controller.state import JobState, check_transition
 from undying.events import Event, EventLog
 from undying.inject import decode as decode_injections
 from undying.protocol import (
-    ORDER_ADOPT,
-    ORDER_EXIT,
-    ORDER_NONE,
-    ORDER_REPLACE,
-    ORDER_START,
-    ORDER_STOP,
-    PHASE_COMPUTING,
-    PHASE_DONE,
-    PHASE_STARTING,
-    PLAN_EXIT,
-    PLAN_WAIT,
-    WORKER_EXITED,
-    WORKER_RUNNING,
     AgentHello,
     AgentPoll,
     Heartbeat,
@@ -47,8 +34,12 @@ from undying.protocol import (
     HelloReply,
     InjectionClaim,
     Order,
+    OrderKind,
+    Phase,
     Plan,
+    PlanAction,
     RecoverRequest,
+    WorkerState,
     WorkerStatus,
 )
 from undying.strategies import (
@@ -105,7 +96,7 @@ class NodeRecord:
     adopting: int | None = None  # the node whose place this spare was ordered to take
 
     def running_workers(self) -> list[WorkerStatus]:
-        return [status for status in self.workers.values() if status.state == WORKER_RUNNING]
+        return [status for status in self.workers.values() if status.state == WorkerState.RUNNING]
 
 
 @dataclass
@@ -120,7 +111,7 @@ class RankRecord:
     last_logged: float = 0.0
     logged_step: int | None = None
     step: int = 0
-    phase: str = PHASE_STARTING
+    phase: str = Phase.STARTING
     last_progress: float | None = None  # when ``step`` last changed (the step-progress watchdog)
     hang_reported_step: int | None = None  # watchdog off/detect-only: the step a hang was logged at
     pid: int | None = None
@@ -244,7 +235,7 @@ class Controller:
             self._check_in_charge()
             node = self.nodes.get(poll.node)
             if node is None or not node.alive or not self._polled_by_owner(node, poll):
-                return Order(kind=ORDER_NONE, reason="hello")
+                return Order(kind=OrderKind.NONE, reason="hello")
             self._take_statuses(node, poll.workers)
             while not node.orders and node.alive:
                 remaining = deadline - time.time()
@@ -254,12 +245,12 @@ class Controller:
             self._check_in_charge()  # orders queued by a controller that lost its lease are not handed out
             node.last_seen = time.time()
             if not node.alive:
-                return Order(kind=ORDER_NONE, reason="hello")
+                return Order(kind=OrderKind.NONE, reason="hello")
             order = node.orders.popleft() if node.orders else Order()
-            if order.kind == ORDER_EXIT:
+            if order.kind == OrderKind.EXIT:
                 node.exit_delivered = True
                 self._cond.notify_all()
-            if order.kind == ORDER_ADOPT and self.nodes.get(poll.node) is node:
+            if order.kind == OrderKind.ADOPT and self.nodes.get(poll.node) is node:
                 del self.nodes[poll.node]  # it says hello again as the node it adopts
             return order
 
@@ -303,7 +294,7 @@ class Controller:
             record.step_known = True
             record.phase = beat.phase
             record.pid = beat.pid
-            if beat.phase == PHASE_DONE and not record.done:
+            if beat.phase == Phase.DONE and not record.done:
                 record.done = True
                 record.done_at = now
             if record.logged_step != beat.step and now - record.last_logged >= HEARTBEAT_LOG_EVERY:
@@ -344,7 +335,7 @@ class Controller:
                 self._check_in_charge()
                 self._check_in(request)
                 plan = self._plan_for(request)
-                if plan.action != PLAN_WAIT or time.time() >= deadline:
+                if plan.action != PlanAction.WAIT or time.time() >= deadline:
                     return plan
                 self._cond.wait(min(0.5, max(0.0, deadline - time.time())))
 
@@ -380,25 +371,25 @@ class Controller:
         record = self.ranks.get(request.rank)
         if record is not None and record.pid is not None and request.pid != record.pid \
                 and record.spawn_generation > request.generation:
-            return Plan(action=PLAN_EXIT, reason=f"rank {request.rank} is served by process {record.pid} now")
+            return Plan(action=PlanAction.EXIT, reason=f"rank {request.rank} is served by process {record.pid} now")
         return None
 
     def _plan_for(self, request: RecoverRequest) -> Plan:
         recovery = self.recovery
         if recovery is not None:
             if recovery.plan is None:
-                return Plan(action=PLAN_WAIT)
+                return Plan(action=PlanAction.WAIT)
             in_plan = request.rank in recovery.checked_in or request.rank in recovery.newcomers
-            return self._stamped(recovery.plan) if in_plan else Plan(action=PLAN_EXIT,
+            return self._stamped(recovery.plan) if in_plan else Plan(action=PlanAction.EXIT,
                                                                       reason="not part of this recovery")
         if self.state is JobState.RUNNING:
             formed = self.plans.get(self.generation)
             # The plan was published while this worker was between two polls.
             fits = request.generation < self.generation or (request.newcomer and request.generation == self.generation)
-            return self._stamped(formed) if formed is not None and fits else Plan(action=PLAN_WAIT)
+            return self._stamped(formed) if formed is not None and fits else Plan(action=PlanAction.WAIT)
         if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
-            return Plan(action=PLAN_EXIT, reason=f"job {self.state.value}")
-        return Plan(action=PLAN_WAIT)
+            return Plan(action=PlanAction.EXIT, reason=f"job {self.state.value}")
+        return Plan(action=PlanAction.WAIT)
 
     def _stamped(self, plan: Plan) -> Plan:
         return replace(plan, store=self.store_address, rng_stores=list(self.rng_stores))
@@ -544,7 +535,7 @@ class Controller:
             for rank_text, spawned in saved["spawned"].items():
                 rank = int(rank_text)
                 self.ranks[rank] = RankRecord(rank, self._node_of(rank), int(spawned), now, last_heartbeat=now,
-                                              phase=PHASE_COMPUTING, step_known=False)
+                                              phase=Phase.COMPUTING, step_known=False)
             previous = JobState(saved["state"])
             self.emit(ev.CONTROLLER_TAKEOVER, generation=self.generation, details={
                 "previous_state": previous.value, "why": why, "nodes": sorted(self.nodes),
@@ -600,7 +591,7 @@ class Controller:
         record = self.ranks.get(status.rank)
         if record is None or status.generation != record.spawn_generation or record.exitcode is not None:
             return
-        if status.state == WORKER_EXITED:
+        if status.state == WorkerState.EXITED:
             record.exitcode = status.exitcode if status.exitcode is not None else -1
             record.signal = status.signal
             if record.exitcode != 0 and record.done:
@@ -687,7 +678,7 @@ class Controller:
         timeout = self.spec.step_timeout
         # Only a rank still computing is stuck itself: its peers wait in the all-reduce ("syncing").
         return (timeout is not None and record.last_progress is not None
-                and record.phase == PHASE_COMPUTING and now - record.last_progress > timeout)
+                and record.phase == Phase.COMPUTING and now - record.last_progress > timeout)
 
     def _note_unacted_hang(self, record: RankRecord, fault: Fault) -> None:
         """watchdog off / detect-only: a hang is reported (once per stuck step), never acted on."""
@@ -703,7 +694,7 @@ class Controller:
                  step: int | None = None) -> RecoveryContext:
         lost_nodes = {self.ranks[rank].node for rank in lost_ranks if rank in self.ranks}
         restoring = {rank for rank, record in self.ranks.items()
-                     if rank not in lost_ranks and record.phase == PHASE_STARTING and record.spawn_generation
+                     if rank not in lost_ranks and record.phase == Phase.STARTING and record.spawn_generation
                      == self.generation and self.generation not in self.plans}
         return RecoveryContext(self.spec, self.restart_count, frozenset(self._alive_nodes()),
                                frozenset(lost_ranks), self.retries[step] if step is not None else 0, excluded,
@@ -757,7 +748,7 @@ class Controller:
         self.abort_generation = self.generation
         self.emit(ev.RESTART_BEGIN, generation=self.generation,
                   details={"restart_count": self.restart_count, "fault": why})
-        self._order_all(Order(kind=ORDER_STOP, generation=self.generation, reason=why))
+        self._order_all(Order(kind=OrderKind.STOP, generation=self.generation, reason=why))
         self._transition(JobState.STOPPING)
         self._state_deadline = now + STOP_TIMEOUT
 
@@ -895,7 +886,7 @@ class Controller:
 
     def _order_replace(self, node: int, ranks: list[int], generation: int, **details: Any) -> None:
         """Queue ``node``'s order to start ``ranks`` as newcomers of ``generation``."""
-        self.nodes[node].orders.append(Order(kind=ORDER_REPLACE, generation=generation, ranks=ranks,
+        self.nodes[node].orders.append(Order(kind=OrderKind.REPLACE, generation=generation, ranks=ranks,
                                              world_size=self.spec.world_size, store_port=self.store_port,
                                              restart_count=self.restart_count))
         self.emit(ev.REPLACE, node=node, generation=generation, details={"ranks": ranks, **details})
@@ -997,7 +988,7 @@ class Controller:
             ranks = self._ranks_of(node.node)
             for rank in ranks:
                 self.ranks[rank] = RankRecord(rank, node.node, self.generation, now)
-            node.orders.append(Order(kind=ORDER_START, generation=self.generation, ranks=ranks,
+            node.orders.append(Order(kind=OrderKind.START, generation=self.generation, ranks=ranks,
                                      world_size=world_size, store_port=self.store_port,
                                      restart_count=self.restart_count))
         previous = self.state
@@ -1014,7 +1005,7 @@ class Controller:
         self.message = message
         self._finished_at = time.time()
         self.recovery = None
-        self._order_all(Order(kind=ORDER_EXIT, generation=self.generation, reason=message))
+        self._order_all(Order(kind=OrderKind.EXIT, generation=self.generation, reason=message))
         self.emit(ev.JOB_END, generation=self.generation, step=self._committed_step(),
                   details={"outcome": state.value, "exit_code": exit_code, "message": message,
                            "restarts": self.restart_count})
@@ -1062,7 +1053,7 @@ class Controller:
                 return
             spare.adopting = lost
             self.adopted_by[lost] = spare.node
-            spare.orders.append(Order(kind=ORDER_ADOPT, node=lost, generation=self.generation,
+            spare.orders.append(Order(kind=OrderKind.ADOPT, node=lost, generation=self.generation,
                                       reason=f"take the place of node {lost}"))
             self.emit(ev.STANDBY_ADOPT, node=lost, generation=self.generation,
                       details={"spare": spare.node, "host": spare.hostname})

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from undying.protocol import PLAN_DUMP, PLAN_RESUME, Plan
+from undying.protocol import Plan, PlanAction
 from undying.strategies import DUMP, Fault
 
 
@@ -42,7 +42,7 @@ class ActiveRecovery:
 
     @property
     def action(self) -> str:
-        return PLAN_DUMP if self.strategy == DUMP else PLAN_RESUME
+        return PlanAction.DUMP if self.strategy == DUMP else PlanAction.RESUME
 
     def missing(self) -> list[int]:
         """Ranks the plan still waits for."""

@@ -42,14 +42,9 @@ from undying.protocol import (
     ENV_SPEC,
     ENV_STORE_PREFIX,
     ENV_TOKEN,
-    PHASE_COMPUTING,
-    PHASE_DONE,
-    PHASE_RECOVERING,
-    PHASE_SYNCING,
-    PHASE_UPDATED,
-    PLAN_DUMP,
-    PLAN_RESUME,
+    Phase,
     Plan,
+    PlanAction,
 )
 from undying.runtime.bounded_store import BoundedStore, connect_bounded
 from undying.runtime.ddp import FixedLayoutDDP
@@ -232,7 +227,7 @@ class Runtime:
             if self.spec.sample_log:
                 self._log_samples(step)
             self._mark_commit_boundary()
-            self.reporter.update(step=self.committed_step, phase=PHASE_UPDATED)
+            self.reporter.update(step=self.committed_step, phase=Phase.UPDATED)
             if first and self._resumed_from is not None:
                 self.reporter.emit(ev.FIRST_STEP, step=self.committed_step, resumed_from=self._resumed_from)
             first = False
@@ -258,7 +253,7 @@ class Runtime:
             tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
             os.replace(tmp, path)
         self.finished = True
-        self.reporter.update(phase=PHASE_DONE)
+        self.reporter.update(phase=Phase.DONE)
         self.reporter.emit(ev.WORKER_DONE, step=self.committed_step)
         self.reporter.close()
         # Interpreter shutdown otherwise spends seconds in a final GC over torch's object graph
@@ -273,7 +268,7 @@ class Runtime:
         self._updated = False
         for loader in self.loaders:
             loader.begin_step()
-        self._set_phase(PHASE_COMPUTING)
+        self._set_phase(Phase.COMPUTING)
         for injection in self.injections:
             if injection.kind != "raise" and injection.at == "step" and self._claim(injection, step):
                 fire(injection)
@@ -311,7 +306,7 @@ class Runtime:
                 f"elastic_batch=accumulate a shrunk replica covers several batch slots, so iterate "
                 f"`for batch in loader.step_batches():` (or set elastic_batch: grow)")
         self._voted = True
-        self._set_phase(PHASE_SYNCING)
+        self._set_phase(Phase.SYNCING)
         if vote_ok:
             self._mirror_rng(self.committed_step + 1)
         try:
@@ -378,7 +373,7 @@ class Runtime:
         """Leave the failed step, follow the controller's plan, and return at a committed step."""
         started = time.time()
         self._settle_snapshot()  # a repair rewrites the state an overlapped snapshot may still be copying
-        self._set_phase(PHASE_RECOVERING)
+        self._set_phase(Phase.RECOVERING)
         if self._has_state:
             self.reporter.emit(ev.STEP_FAILED, step=self.committed_step, reason=reason)
         while True:
@@ -388,10 +383,10 @@ class Runtime:
             plan = self.reporter.wait_for_plan(self.generation, self.committed_step, reason,
                                                newcomer=not self._has_state)
             planned = time.time()
-            if plan.action == PLAN_DUMP:
+            if plan.action == PlanAction.DUMP:
                 self._fire_point_injections("dump", plan.target_step)
                 self._dump(plan)
-            if plan.action != PLAN_RESUME:
+            if plan.action != PlanAction.RESUME:
                 self._park(plan)
             if plan.store:
                 self._follow_store(plan.store)
@@ -409,7 +404,7 @@ class Runtime:
                 reason = f"recovery of generation {plan.generation} failed: {error}"
                 self.reporter.emit(ev.STEP_FAILED, step=self.committed_step, reason=reason)
         self._resumed_from = self.committed_step
-        self.reporter.update(step=self.committed_step, phase=PHASE_COMPUTING)
+        self.reporter.update(step=self.committed_step, phase=Phase.COMPUTING)
         self.reporter.emit(ev.RECOVERED, step=self.committed_step, strategy=plan.strategy, pid=os.getpid(),
                            source_rank=plan.source_rank, received=self.rank in plan.receivers,
                            wait_for_plan=round(planned - started, 4), rebuild=round(rebuilt - planned, 4),
@@ -470,7 +465,7 @@ class Runtime:
 
     def _park(self, plan: Plan) -> None:
         """Nothing left for this process to do: the controller stops it (job restart or exit)."""
-        self.reporter.update(phase=PHASE_RECOVERING)
+        self.reporter.update(phase=Phase.RECOVERING)
         while True:
             time.sleep(1.0)
 

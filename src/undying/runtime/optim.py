@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from undying.protocol import PHASE_UPDATED, PHASE_UPDATING
+from undying.protocol import Phase
 
 
 class CommitOptimizer:
@@ -43,9 +43,9 @@ class CommitOptimizer:
         if not self._sync_gradients():
             return None
         self._before_update()
-        self._set_phase(PHASE_UPDATING)
+        self._set_phase(Phase.UPDATING)
         result = self.optimizer.step(closure)
-        self._set_phase(PHASE_UPDATED)
+        self._set_phase(Phase.UPDATED)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

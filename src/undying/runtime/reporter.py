@@ -18,8 +18,6 @@ from undying.client import ControllerClient, ControllerUnreachable
 from undying.controller.ha import locator_from_env
 from undying.events import Event
 from undying.protocol import (
-    PHASE_STARTING,
-    PLAN_WAIT,
     ROUTE_EVENT,
     ROUTE_INJECT_CLAIM,
     ROUTE_WORKER_HEARTBEAT,
@@ -28,7 +26,9 @@ from undying.protocol import (
     Heartbeat,
     HeartbeatReply,
     InjectionClaim,
+    Phase,
     Plan,
+    PlanAction,
     RecoverRequest,
 )
 
@@ -46,7 +46,7 @@ class Reporter:
         self.generation = generation
         self.interval = interval
         self.step = 0
-        self.phase = PHASE_STARTING
+        self.phase = Phase.STARTING
         self.loss: float | None = None
         self.abort_generation = 0  # the newest generation the controller told us to abandon
         self.mirror_store = ""  # failover jobs: a second store for the RNG mirror (from heartbeat replies)
@@ -123,7 +123,7 @@ class Reporter:
             except ControllerUnreachable:
                 time.sleep(0.2)
                 continue
-            if plan.action != PLAN_WAIT:
+            if plan.action != PlanAction.WAIT:
                 return plan
 
     def close(self) -> None:
