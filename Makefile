@@ -1,4 +1,5 @@
-# Two entry points: `make demo` (set up, then the recovery demo) and `make test` (set up, then every test).
+# Entry points: `make demo` (set up, then the recovery demo), `make test` (set up, then every test) and
+# `make lint` (set up, then ruff and mypy; CI runs it before the tests).
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
@@ -23,6 +24,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples bench
+	$(VENV)/bin/mypy  # the package under src, as [tool.mypy] in pyproject.toml says
 
 clean:
 	rm -rf $(VENV) runs

@@ -33,9 +33,9 @@ sys.path.insert(0, str(REPO / "bench"))
 from recovery import BASE, FAULT_STEP, PROCESS, STEPS, free_port, measure_torchrun, summarize  # noqa: E402
 
 from undying import events as ev  # noqa: E402
-from undying.controller.etcd import EtcdClient, EtcdUnavailable  # noqa: E402
-from undying.controller.ha import locate_controller  # noqa: E402
+from undying.etcd import EtcdClient, EtcdUnavailable  # noqa: E402
 from undying.events import read_events  # noqa: E402
+from undying.locate import locate_controller  # noqa: E402
 
 TOKEN = "bench-failover-token-0123456789"
 TRAIN = str(REPO / "examples" / "gpt" / "train.py")

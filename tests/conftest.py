@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 MARK_ENV = "UNDYING_TEST_MARK"
 FINAL_STATE = "final_state.pt"  # where a test run's rank 0 saves its final parameters
+# `undying` with elastic training's reschedule wait below the spec's floor (see undying_command).
+SHORT_RESCHEDULE = REPO / "tests" / "short_reschedule.py"
 
 # The job every fault test runs: 2 simulated nodes x 2 workers, checkpoints every 10 steps.
 STEPS = 30
@@ -93,24 +95,30 @@ def wait_no_processes(mark: str, timeout: float = 10.0) -> list[int]:
     return processes_with_mark(mark)
 
 
-def undying_command(args: list[str]) -> list[str]:
+def undying_command(args: list[str], reschedule_wait: float | None = None) -> list[str]:
+    """``undying ARGS``; with ``reschedule_wait``, its controller waits that many seconds for a lost
+    node instead of the spec's ``wait_reschedule_timeout`` (30 s at least)."""
+    if reschedule_wait is not None:
+        return [sys.executable, str(SHORT_RESCHEDULE), str(reschedule_wait), *args]
     return [sys.executable, "-m", "undying.cli", *args]
 
 
 def start_job(run_dir: Path, extra: list[str], steps: int = STEPS,
-              script_args: list[str] | None = None, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+              script_args: list[str] | None = None, env: dict[str, str] | None = None,
+              reschedule_wait: float | None = None) -> tuple[subprocess.Popen, str]:
     mark = uuid.uuid4().hex
     env = dict(os.environ, **(env or {}), **{MARK_ENV: mark, "PYTHONUNBUFFERED": "1"})
     command = undying_command(["run", *BASE_ARGS, "--run-dir", str(run_dir), *extra, str(EXAMPLE),
-                               "--steps", str(steps), *(script_args or [])])
+                               "--steps", str(steps), *(script_args or [])], reschedule_wait)
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                cwd=REPO)
     return process, mark
 
 
 def run_job(run_dir: Path, extra: list[str] | None = None, steps: int = STEPS, timeout: float = 240,
-            script_args: list[str] | None = None, env: dict[str, str] | None = None) -> JobRun:
-    process, mark = start_job(run_dir, extra or [], steps, script_args, env)
+            script_args: list[str] | None = None, env: dict[str, str] | None = None,
+            reschedule_wait: float | None = None) -> JobRun:
+    process, mark = start_job(run_dir, extra or [], steps, script_args, env, reschedule_wait)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -162,7 +170,7 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory):
     """A single-member etcd on loopback for controller-failover tests (Debian's etcd-server)."""
     import shutil
 
-    from undying.controller.etcd import EtcdClient, EtcdUnavailable
+    from undying.etcd import EtcdClient, EtcdUnavailable
 
     binary = shutil.which("etcd")
     if binary is None:

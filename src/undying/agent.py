@@ -23,21 +23,10 @@ import time
 from pathlib import Path
 
 from undying.client import ControllerClient, ControllerUnreachable, Unauthorized, parse_address
-from undying.config import JobSpec, spec_from_json
-from undying.controller.ha import locator_from_env
+from undying.config import JobSpec, spec_from_json, spec_to_dict
+from undying.locate import locator_from_env
 from undying.procs import die_with_parent, signal_name, stop_processes
 from undying.protocol import (
-    ENV_CONTROLLER,
-    ENV_GENERATION,
-    ENV_INJECT,
-    ENV_JOB_ID,
-    ENV_JOINING,
-    ENV_NODE,
-    ENV_RESTART_COUNT,
-    ENV_RUN_DIR,
-    ENV_SPEC,
-    ENV_STORE_PREFIX,
-    ENV_TOKEN,
     ROUTE_AGENT_HELLO,
     ROUTE_AGENT_POLL,
     ROUTE_AGENT_REPORT,
@@ -51,6 +40,7 @@ from undying.protocol import (
 )
 from undying.shm import claim_node_dir, remove_node_dir, remove_stale
 from undying.standby import can_serve
+from undying.worker_env import ENV_INJECT, ENV_SPEC, ENV_TOKEN, WorkerEnv
 
 ENV_DIE_WITH_PARENT = "UNDYING_AGENT_DIE_WITH_PARENT"
 ENV_WARM = "UNDYING_WARM_STANDBY"  # "1" in a worker that started as a warm standby
@@ -132,7 +122,7 @@ class Agent:
     def _hello(self) -> None:
         deadline = time.time() + self.spec.node_return_timeout
         hello = AgentHello(self.node, os.getpid(), socket.gethostname(), self.spec.nproc_per_node,
-                           standby=self.spare)
+                           standby=self.spare, spec=spec_to_dict(self.spec))
         while True:
             try:
                 reply = HelloReply.from_dict(self.client.post(ROUTE_AGENT_HELLO, hello.to_dict()))
@@ -255,29 +245,14 @@ class Agent:
         master_addr, _ = parse_address(self.controller_address)
         log_dir = self.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        env.update({
-            "RANK": str(rank),
-            "LOCAL_RANK": str(self.local_ranks[rank]),
-            "WORLD_SIZE": str(order.world_size),
-            "LOCAL_WORLD_SIZE": str(self.spec.nproc_per_node),
-            "GROUP_RANK": str(self.node),
-            "ROLE_RANK": str(rank),
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(order.store_port),
-            "TORCHELASTIC_RESTART_COUNT": str(order.restart_count),
-            ENV_CONTROLLER: self.controller_address,
-            ENV_TOKEN: self.token,
-            ENV_JOB_ID: self.job_id,
-            ENV_GENERATION: str(order.generation),
-            ENV_NODE: str(self.node),
-            ENV_RUN_DIR: str(self.run_dir),
-            ENV_SPEC: self.spec.model_dump_json(),
-            ENV_INJECT: self.injections_text,
-            ENV_RESTART_COUNT: str(order.restart_count),
-            ENV_STORE_PREFIX: f"undying/{self.job_id}",
-            ENV_JOINING: "1" if joining else "0",
-        })
+        worker_env = WorkerEnv(
+            rank=rank, local_rank=self.local_ranks[rank], world_size=order.world_size,
+            local_world_size=self.spec.nproc_per_node, node=self.node, generation=order.generation,
+            restart_count=order.restart_count, joining=joining, controller=self.controller_address,
+            token=self.token, job_id=self.job_id, run_dir=self.run_dir, spec=self.spec,
+            injections_text=self.injections_text, store_prefix=f"undying/{self.job_id}",
+            master_addr=master_addr, master_port=order.store_port)
+        env = {**os.environ, **worker_env.to_environ()}
         env.pop(ENV_DIE_WITH_PARENT, None)
         log_path = log_dir / f"rank{rank}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - handed to the child

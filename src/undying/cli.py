@@ -147,7 +147,8 @@ def worker_command(args: argparse.Namespace) -> list[str]:
 
 
 def command_run(args: argparse.Namespace) -> int:
-    from undying.launcher import LaunchOptions, launch
+    from undying.launch_options import LaunchOptions
+    from undying.launcher import launch
 
     overrides: dict[str, Any] = parse_set(args.set)
     if args.nnodes is not None:
@@ -206,7 +207,7 @@ def command_report(args: argparse.Namespace) -> int:
 
 def command_status(args: argparse.Namespace) -> int:
     from undying.client import ControllerClient, ControllerUnreachable, Unauthorized
-    from undying.controller.ha import locate_controller
+    from undying.locate import locate_controller
 
     token = read_token(args.token_file)
     assert token is not None

@@ -25,11 +25,13 @@ import time
 from undying import events as ev
 from undying.agent import Agent
 from undying.client import format_address
+from undying.console import emit_job_start, print_event
 from undying.controller import Controller, ControllerServer, JobState, JobStore
-from undying.controller.etcd import EtcdUnavailable
-from undying.controller.ha import ENV_ETCD, ENV_HA_JOB, Candidate, locate_controller, saved_state
+from undying.controller.ha import Candidate, saved_state
+from undying.etcd import EtcdUnavailable
 from undying.events import EventLog
-from undying.launcher import LaunchOptions, emit_job_start, print_event
+from undying.launch_options import LaunchOptions
+from undying.locate import ENV_ETCD, ENV_HA_JOB, locate_controller
 from undying.shm import remove_job_dir
 
 BACKUP_REFRESH_S = 1.0
@@ -110,7 +112,6 @@ class ControllerCandidate(threading.Thread):
         candidate.resign()
         events.close()
         return True
-
 
     @staticmethod
     def _name_backup_store(candidate: Candidate, controller: Controller) -> None:

@@ -19,39 +19,18 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from undying import events as ev
 from undying.client import format_address
-from undying.config import JobSpec
+from undying.console import emit_job_start, print_event
 from undying.controller import Controller, ControllerServer, JobStore
-from undying.events import Event, EventLog
+from undying.events import EventLog
+from undying.launch_options import LaunchOptions
 from undying.procs import die_with_parent, kill_group
-from undying.protocol import ENV_INJECT, ENV_SPEC, ENV_TOKEN
 from undying.shm import remove_job_dir, remove_node_dir
-from undying.strategies import describe_chain, effective_chain, unbuilt_strategies
+from undying.worker_env import ENV_INJECT, ENV_SPEC, ENV_TOKEN
 
 RESPAWN_DELAY = 0.2
-
-
-@dataclass
-class LaunchOptions:
-    spec: JobSpec
-    command: list[str]  # the worker command: python SCRIPT ARGS
-    run_dir: Path
-    node_rank: int | None = None  # None: simulate every node here
-    controller_address: str | None = None  # host:port to join (node_rank > 0) or to bind (node 0)
-    controller_bind: str = "127.0.0.1"
-    token: str | None = None
-    injections_text: str = ""
-    respawn_lost_nodes: bool = True
-    standby_agents: int = 0  # simulated spare nodes (local); remote: this agent is a spare
-    quiet: bool = False
-    extra_env: dict[str, str] = field(default_factory=dict)
-    etcd: str | None = None  # host:port: controller failover (every node a candidate; ha_node.py)
-    job_name: str | None = None  # the job's key prefix in etcd
-    lease_ttl: int = 5  # seconds a dead leader keeps its lease (how long a failover waits)
 
 
 class LocalAgents:
@@ -149,54 +128,6 @@ class LocalAgents:
             process.wait()
 
 
-def print_event(event: Event) -> None:
-    """Console view of the events a user cares about while the job runs."""
-    where = " ".join(part for part in (
-        f"node {event.node}" if event.node is not None else "",
-        f"rank {event.rank}" if event.rank is not None else "",
-        f"step {event.step}" if event.step is not None else "",
-        f"gen {event.generation}" if event.generation is not None else "") if part)
-    stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
-    details = event.details
-    text = {
-        ev.FAULT_DETECTED: lambda: f"FAULT {details.get('description')}",
-        ev.DECISION: lambda: f"decision: {details.get('strategy')} ({details.get('reason')})",
-        ev.GENERATION_START: lambda: f"generation started, world size {details.get('world_size')}",
-        ev.CHECKPOINT_LOAD: lambda: f"loaded checkpoint of step {event.step} from {details.get('source')}",
-        ev.CHECKPOINT_CORRUPT: lambda: f"skipped corrupt checkpoint {details.get('path')}: {details.get('reason')}",
-        ev.FIRST_STEP: lambda: f"training again (resumed from step {details.get('resumed_from')})",
-        ev.INJECTION: lambda: f"injecting {details.get('spec')}",
-        ev.AGENT_LOST: lambda: f"node lost: {details.get('why')}",
-        ev.AGENT_RESPAWNED: lambda: "agent respawned (simulated node rescheduled)",
-        ev.STANDBY_ADOPT: lambda: f"standby agent {details.get('spare')} takes the place of this node",
-        ev.ELASTIC_SHRINK: lambda: (f"elastic shrink: world {details.get('old_world_size')} -> "
-                                    f"{details.get('new_world_size')} (node(s) {details.get('dropped_nodes')} "
-                                    f"not back after {details.get('waited')} s)"),
-        ev.ELASTIC_GROW: lambda: (f"elastic grow: world {details.get('old_world_size')} -> "
-                                  f"{details.get('new_world_size')}"),
-        ev.JOB_END: lambda: f"job {details.get('outcome')}: {details.get('message')}",
-        ev.AUTH_REFUSED: lambda: f"refused a client without the job token ({details.get('client')})",
-    }.get(event.kind)
-    if text is not None and (event.kind != ev.CHECKPOINT_LOAD or event.rank == 0):
-        print(f"[undying {stamp}] {where}: {text()}", file=sys.stderr, flush=True)
-
-
-def emit_job_start(controller: Controller, options: LaunchOptions, address: str, store_port: int,
-                   job_id: str) -> None:
-    spec = options.spec
-    chain = [strategy.name for strategy in effective_chain(spec)]
-    controller.emit(ev.JOB_START, details={
-        "nnodes": spec.nnodes, "nproc_per_node": spec.nproc_per_node, "world_size": spec.world_size,
-        "strategies": list(spec.recover_strategy), "effective_strategy": chain,
-        "unbuilt_strategies": unbuilt_strategies(spec), "max_restarts": spec.max_restarts,
-        "controller": address, "store_port": store_port, "command": options.command,
-        "job_id": job_id, "pid": os.getpid(), "failover": options.etcd is not None})
-    if not options.quiet:
-        print(f"[undying] job {job_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} worker(s), "
-              f"controller {address}, run dir {options.run_dir}", file=sys.stderr)
-        print(f"[undying] {describe_chain(spec)}; max_restarts {spec.max_restarts}", file=sys.stderr, flush=True)
-
-
 def launch(options: LaunchOptions) -> int:
     """Run a whole job (or this node's part of it); returns the exit code for the CLI."""
     if options.etcd:
@@ -249,6 +180,7 @@ def launch(options: LaunchOptions) -> int:
             signal.signal(sig, handler)
         server.stop()
         events.close()
+    assert exit_code is not None  # only a failover job's controller (ha_node.py) is ever deposed
     if exit_code != 0:
         print(f"undying: job {controller.state.value}: {controller.message}", file=sys.stderr)
     return exit_code

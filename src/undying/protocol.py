@@ -2,7 +2,7 @@
 
 Every message crosses a process boundary as JSON over HTTP (see ``client.py`` and
 ``controller/server.py``); this module is the one place their shapes are defined.
-The routes and the environment contract between agent and worker live here too.
+The routes live here too; the environment an agent gives its workers is ``worker_env.py``.
 """
 
 from __future__ import annotations
@@ -30,19 +30,6 @@ TOKEN_HEADER = "Authorization"
 TOKEN_SCHEME = "Bearer"
 VERSION_HEADER = "X-Undying-Protocol"
 
-# Environment the agent gives each worker, on top of torchrun's RANK, LOCAL_RANK,
-# WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GROUP_RANK.
-ENV_CONTROLLER = "UNDYING_CONTROLLER"  # host:port of the controller's HTTP endpoint
-ENV_TOKEN = "UNDYING_TOKEN"  # the job's secret
-ENV_JOB_ID = "UNDYING_JOB_ID"
-ENV_GENERATION = "UNDYING_GENERATION"
-ENV_NODE = "UNDYING_NODE"
-ENV_RUN_DIR = "UNDYING_RUN_DIR"
-ENV_SPEC = "UNDYING_SPEC"  # the validated job spec as JSON
-ENV_INJECT = "UNDYING_INJECT"  # fault-injection specs, ";"-separated
-ENV_RESTART_COUNT = "UNDYING_RESTART_COUNT"
-ENV_STORE_PREFIX = "UNDYING_STORE_PREFIX"
-ENV_JOINING = "UNDYING_JOINING"  # "1": this worker replaces a lost rank in a live job
 
 class Phase(StrEnum):
     """Where a worker is in its step, as its heartbeat reports it (docs/design.md, "A step is a transaction")."""
@@ -105,6 +92,9 @@ class AgentHello(Message):
     hostname: str
     nproc: int
     standby: bool = False  # a spare node: no ranks until it adopts a lost node's place
+    # The agent's validated job spec (config.spec_to_dict), so the controller can refuse a node
+    # launched with another spec; empty from a sender that does not say.
+    spec: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -28,8 +28,8 @@ from tests.conftest import (
     wait_no_processes,
 )
 from undying import events as ev
-from undying.controller.ha import locate_controller
 from undying.events import read_events
+from undying.locate import locate_controller
 
 pytestmark = pytest.mark.faults
 

@@ -12,7 +12,6 @@ import torch
 
 from tests.conftest import FINAL_STATE, STEPS, JobRun, run_job
 from undying import events as ev
-from undying.config import ENV_WAIT_RESCHEDULE_OVERRIDE
 
 pytestmark = pytest.mark.faults
 
@@ -60,7 +59,7 @@ def assert_same_samples_and_close(run: JobRun, reference: JobRun, steps: int) ->
 def run_elastic(tmp_path: Path, extra: list[str], wait: float = 2.0, script_args: list[str] | None = None) -> JobRun:
     return run_job(tmp_path, [*ELASTIC, *extra], STEPS,
                    script_args=["--final-state", str(tmp_path / FINAL_STATE), *(script_args or [])],
-                   env={ENV_WAIT_RESCHEDULE_OVERRIDE: str(wait)})
+                   reschedule_wait=wait)
 
 
 def test_a_node_that_does_not_return_is_dropped_and_training_goes_on(reference_run: JobRun, tmp_path: Path) -> None:

@@ -33,6 +33,11 @@ from undying.checkpoint import (
     staging_dir,
     verify,
 )
+from undying.checkpoint.backend import Location, StorageBackend
+from undying.checkpoint.local_backend import LocalBackend
+from undying.checkpoint.manifest import checksum_bytes
+from undying.checkpoint.storage import backend_for
+from undying.checkpoint.url_backend import UrlBackend
 
 WORLD_SIZE = 2
 
@@ -616,3 +621,64 @@ def test_file_url_takes_the_url_protocol(tmp_path: Path) -> None:
     ckpt = latest_verified(root)
     assert ckpt is not None and ckpt.path == f"{root}/step_000000010.g3"
     assert load_object(ckpt, rank_file(1))["rank"] == 1
+
+
+# ------------------------------------------------------- the storage backend interface
+# Both backends pass the same contract: what the commit protocol in storage.py relies on.
+
+
+@pytest.fixture(params=["local", "memory-url", "file-url"])
+def backend_root(request: pytest.FixtureRequest, tmp_path: Path, url_root: str) -> Location:
+    return {"local": tmp_path / "ckpt", "memory-url": url_root, "file-url": f"file://{tmp_path}/ckpt"}[request.param]
+
+
+def test_backend_for_picks_by_location(backend_root: Location) -> None:
+    expected = UrlBackend if is_url(backend_root) else LocalBackend
+    assert isinstance(backend_for(backend_root), expected)
+
+
+def test_backend_files_are_written_whole_and_read_back(backend_root: Location) -> None:
+    backend: StorageBackend = backend_for(backend_root)
+    backend.make_root(backend_root)
+    staging = backend.staging_dir(backend_root, 3, 1)
+    assert backend.staging_dir(backend_root, 3, 1) == staging  # every rank may ask
+    backend.check_staging(backend_root, staging, 3, 1)
+    with pytest.raises(ValueError):
+        backend.check_staging(backend_root, staging, 4, 1)
+
+    data = b"undying" * 1000
+    backend.write_file(staging, "a.bin", data)
+    backend.sync_file(staging, "a.bin")
+    assert backend.file_size(staging, "a.bin") == len(data)
+    assert backend.file_checksum(staging, "a.bin") == (len(data), checksum_bytes(data))
+    assert backend.read_file(staging, "a.bin") == data
+    for read in (backend.file_size, backend.file_checksum, backend.read_file):
+        with pytest.raises(FileNotFoundError):
+            read(staging, "missing.bin")
+    backend.check_member(staging, "a.bin")
+    with pytest.raises(CorruptCheckpoint):
+        backend.check_member(staging, "../a.bin")
+
+
+def test_backend_lists_only_what_was_published(backend_root: Location) -> None:
+    backend = backend_for(backend_root)
+    staging = backend.staging_dir(backend_root, 3, 1)
+    backend.write_file(staging, "a.bin", b"x")
+    assert list(backend.scan(backend_root)) == []  # files alone are not a checkpoint
+
+    manifest = Manifest(step=3, generation=1, world_size=1, files=[FileRecord("a.bin", 1, checksum_bytes(b"x"))],
+                        meta={}, created=0.0).to_json().encode()
+    backend.write_file(staging, MANIFEST_NAME, manifest)
+    final = backend.publish(backend_root, staging, 3, 1)
+    [stored] = backend.scan(backend_root)
+    assert (stored.location, stored.step, stored.text) == (final, 3, manifest)
+    assert stored.generation in (None, 1)  # 1 where the directory's name carries it
+    assert backend.read_file(final, "a.bin") == b"x"
+
+    other = backend.staging_dir(backend_root, 5, 0)  # another generation's unfinished write
+    backend.write_file(other, "b.bin", b"y")
+    assert backend.remove_stale(backend_root, current_generation=1) == [other]
+    assert [stored.step for stored in backend.scan(backend_root)] == [3]
+    backend.remove_checkpoint(final)
+    assert list(backend.scan(backend_root)) == []
+    assert list(backend.scan(f"{backend_root}-missing" if is_url(backend_root) else Path(f"{backend_root}-missing"))) == []

@@ -1,4 +1,5 @@
-"""Job spec validation: defaults, ranges, enums, spellings, file loading and the JSON hand-off."""
+"""Job spec validation: defaults, ranges, enums, spellings, file loading, the JSON hand-off and
+the comparison of two nodes' specs."""
 
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ import fsspec
 import pytest
 
 from undying.config import (
+    NODE_LOCAL_FIELDS,
     STRATEGIES,
     CheckpointSpec,
     JobSpec,
     SpecError,
     load_job_spec,
+    spec_differences,
     spec_from_json,
     spec_to_dict,
     validate_job_spec,
 )
+from undying.protocol import AgentHello
+from undying.strategy_names import SPEC_STRATEGIES, StrategyName
 
 ALL_STRATEGIES_TEXT = "retry, recover-in-place, recover, elastic-training, dump, exit"
 
@@ -437,3 +442,66 @@ def test_bad_json_is_a_spec_error() -> None:
 def test_spec_error_survives_pickling() -> None:
     error = spec_error({"watchdog": "loud"})
     assert str(pickle.loads(pickle.dumps(error))) == str(error)
+
+
+def test_strategies_are_the_spec_strategy_names() -> None:
+    assert STRATEGIES == SPEC_STRATEGIES
+    spec = load_job_spec(overrides={"process_recover": True, "recover_strategy": "retry,exit"})
+    assert all(isinstance(name, StrategyName) for name in spec.recover_strategy)
+    assert spec_to_dict(spec)["recover_strategy"] == ["retry", "exit"]
+    error = spec_error({"process_recover": True, "recover_strategy": ["job-restart"]})
+    assert str(error) == (
+        f"job spec: recover_strategy[0]: unknown strategy; allowed: {ALL_STRATEGIES_TEXT} (got 'job-restart')"
+    )
+
+
+def test_reschedule_wait_is_the_spec_value() -> None:
+    assert JobSpec().reschedule_wait() == 270.0
+    assert load_job_spec(overrides={"wait_reschedule_timeout": 30}).reschedule_wait() == 30.0
+
+
+NODE_SPEC = {"process_recover": True, "recover_strategy": "retry,dump,exit", "nnodes": 2,
+             "nproc_per_node": 4, "checkpoint.dir": "/mnt/shared/ckpt", "compile_cache": "/scratch/cc"}
+
+
+def test_the_same_spec_has_no_differences() -> None:
+    assert spec_differences(JobSpec(), JobSpec()) == []
+    assert spec_differences(load_job_spec(overrides=NODE_SPEC), load_job_spec(overrides=NODE_SPEC)) == []
+
+
+def test_differences_name_each_differing_field_sorted() -> None:
+    ours = load_job_spec(overrides=NODE_SPEC)
+    theirs = load_job_spec(overrides={**NODE_SPEC, "max_restarts": 3, "comm_timeout": 60})
+    assert spec_differences(ours, theirs) == ["comm_timeout", "max_restarts"]
+    assert spec_differences(theirs, ours) == ["comm_timeout", "max_restarts"]
+
+
+def test_differences_inside_checkpoint_are_dotted() -> None:
+    ours = load_job_spec(overrides=NODE_SPEC)
+    theirs = load_job_spec(overrides={**NODE_SPEC, "checkpoint.interval": 7, "checkpoint.dir": "/other"})
+    assert spec_differences(ours, theirs) == ["checkpoint.dir", "checkpoint.interval"]
+
+
+def test_strategy_order_and_null_versus_value_differ() -> None:
+    ours = load_job_spec(overrides=NODE_SPEC)
+    reordered = load_job_spec(overrides={**NODE_SPEC, "recover_strategy": "dump,retry,exit"})
+    assert spec_differences(ours, reordered) == ["recover_strategy"]
+    with_step_timeout = load_job_spec(overrides={**NODE_SPEC, "step_timeout": 60})
+    assert spec_differences(ours, with_step_timeout) == ["step_timeout"]
+
+
+def test_node_local_paths_may_differ() -> None:
+    assert NODE_LOCAL_FIELDS == {"compile_cache"}
+    ours = load_job_spec(overrides=NODE_SPEC)
+    theirs = load_job_spec(overrides={**NODE_SPEC, "compile_cache": None})
+    assert spec_differences(ours, theirs) == []
+
+
+def test_the_spec_travels_in_the_agent_hello() -> None:
+    spec = load_job_spec(overrides=NODE_SPEC)
+    hello = AgentHello(1, 1234, "host1", spec.nproc_per_node, spec=spec_to_dict(spec))
+    received = AgentHello.from_dict(json.loads(json.dumps(hello.to_dict())))
+    rebuilt = validate_job_spec(received.spec)
+    assert rebuilt == spec
+    assert spec_differences(spec, rebuilt) == []
+    assert AgentHello(1, 1234, "host1", 4).spec == {}  # a sender that does not say

@@ -1,33 +1,28 @@
-"""The controller's recovery state machine, driven in-process: the test plays every agent and worker.
+"""The controller's decisions: the job machine driven by plain calls on a fake clock.
 
-``Controller.run`` runs in a thread; agents are calls to ``hello``/``poll`` and workers are
-calls to ``heartbeat``/``worker_event``. No processes, no sockets.
+The test plays every agent (``hello``/``poll``) and worker (``heartbeat``/``recover``/
+``worker_event``): no threads, no sleeps, no processes, no sockets (``job_harness.py``).
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.unit.job_harness import JOB_ID, STORE_PORT, Job
+from tests.unit.job_harness import check_in_together as harness_check_in_together
 from undying import events as ev
-from undying.config import JobSpec
-from undying.controller import core
-from undying.controller.core import Controller
+from undying.config import spec_to_dict
 from undying.controller.state import ALLOWED_TRANSITIONS, IllegalTransition, JobState, check_transition
-from undying.events import Event, EventLog, read_events
+from undying.events import Event
 from undying.protocol import (
     AgentHello,
     AgentPoll,
     Heartbeat,
-    HelloReply,
     InjectionClaim,
-    Order,
     OrderKind,
     Phase,
     Plan,
@@ -37,132 +32,9 @@ from undying.protocol import (
     WorkerStatus,
 )
 
-JOB_ID = "job-test"
-STORE_PORT = 29555
-# How long a test waits for the controller's loop to act (it ticks every 0.1 s).
-WAIT = 3.0
-# Timeouts small enough for unit tests; wait_reschedule_timeout keeps its default (30..270).
-FAST = {
-    "heartbeat_interval": 0.05,
-    "heartbeat_timeout": 0.4,
-    "monitor_interval": 0.05,
-    "node_return_timeout": 5.0,
-}
-
-
-class Job:
-    """One Controller with ``run()`` in a background thread; the methods play agents and workers."""
-
-    def __init__(self, run_dir: Path, **spec_fields: Any) -> None:
-        self.spec = JobSpec(**{**FAST, **spec_fields})
-        self.run_dir = run_dir
-        self.events_log = EventLog(run_dir)
-        self.lost_nodes: list[int] = []
-        self.controller = Controller(self.spec, self.events_log, JOB_ID, STORE_PORT,
-                                     on_node_lost=self.lost_nodes.append)
-        self.exit_code: int | None = None
-        self._thread = threading.Thread(target=self._run, name="controller-run", daemon=True)
-
-    def _run(self) -> None:
-        self.exit_code = self.controller.run()
-
-    def start(self) -> None:
-        self._thread.start()
-
-    # ------------------------------------------------------------ the agents
-
-    def ranks_of(self, node: int) -> list[int]:
-        per_node = self.spec.nproc_per_node
-        return list(range(node * per_node, (node + 1) * per_node))
-
-    def hello(self, node: int, nproc: int | None = None) -> HelloReply:
-        nproc = self.spec.nproc_per_node if nproc is None else nproc
-        return self.controller.hello(AgentHello(node, 1000 + node, f"host{node}", nproc))
-
-    def statuses(self, node: int, generation: int, state: str = WorkerState.RUNNING,
-                 exitcode: int | None = None, signal: str | None = None) -> list[dict[str, Any]]:
-        """What node's agent reports of its workers, all in one state."""
-        return [
-            WorkerStatus(rank, local, 2000 + rank, generation, state, exitcode, signal).to_dict()
-            for local, rank in enumerate(self.ranks_of(node))
-        ]
-
-    def poll(self, node: int, generation: int = 0, workers: list[dict[str, Any]] | None = None,
-             wait: float = 0.0) -> Order:
-        return self.controller.poll(AgentPoll(node, generation, workers or [], wait))
-
-    def next_order(self, node: int, generation: int = 0, workers: list[dict[str, Any]] | None = None,
-                   timeout: float = WAIT) -> Order:
-        """Poll like an agent until an order other than 'none' comes, or ``timeout`` passes."""
-        deadline = time.time() + timeout
-        while True:
-            order = self.poll(node, generation, workers, wait=0.1)
-            if order.kind != OrderKind.NONE or time.time() > deadline:
-                return order
-
-    def start_running(self) -> list[Order]:
-        """Every node says hello, the loop starts, and each agent takes its generation-1 start order."""
-        for node in range(self.spec.nnodes):
-            assert self.hello(node).accepted
-        self.start()
-        orders = [self.next_order(node) for node in range(self.spec.nnodes)]
-        assert [order.kind for order in orders] == [OrderKind.START] * self.spec.nnodes
-        for node in range(self.spec.nnodes):
-            self.poll(node, 1, self.statuses(node, 1))
-        assert self.controller.state is JobState.RUNNING
-        return orders
-
-    # ------------------------------------------------------------ the workers
-
-    def beat(self, rank: int, step: int, phase: str = Phase.COMPUTING, generation: int = 1) -> None:
-        node = rank // self.spec.nproc_per_node
-        self.controller.heartbeat(Heartbeat(rank, node, generation, step, phase, 2000 + rank))
-
-    def keep_beating(self, rank: int, step: int, seconds: float, poll_wait: float = 0.05,
-                     until: Callable[[], bool] = lambda: False) -> None:
-        """A rank alive but stuck: it beats at ``step`` (its node's agent polling meanwhile) for
-        ``seconds`` or until ``until()``."""
-        node = rank // self.spec.nproc_per_node
-        deadline = time.time() + seconds
-        while time.time() < deadline and not until():
-            self.beat(rank, step)
-            self.poll(node, 1, self.statuses(node, 1), wait=poll_wait)
-
-    # ------------------------------------------------------------ observing
-
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
-        deadline = time.time() + timeout
-        while not predicate():
-            if time.time() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
-    def wait_state(self, state: JobState, timeout: float = WAIT) -> None:
-        reached = self.wait_for(lambda: self.controller.state is state, timeout)
-        assert reached, f"state {self.controller.state.value}, expected {state.value}"
-
-    def events(self, kind: str | None = None) -> list[Event]:
-        return [event for event in read_events(self.run_dir) if kind is None or event.kind == kind]
-
-    def join(self, timeout: float = WAIT) -> int | None:
-        self._thread.join(timeout)
-        assert not self._thread.is_alive(), "Controller.run() did not return"
-        return self.exit_code
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self.controller.cancel("test teardown")
-            for node in list(self.controller.nodes):
-                self.poll(node)
-            self._thread.join(WAIT)
-        self.events_log.close()
-
 
 @pytest.fixture
-def make_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    # A test that forgets an agent still ends quickly.
-    monkeypatch.setattr(core, "EXIT_GRACE", 1.0)
+def make_job(tmp_path: Path):
     jobs: list[Job] = []
 
     def make(**spec_fields: Any) -> Job:
@@ -210,6 +82,20 @@ def test_hello_is_refused_for_a_node_outside_the_job_a_wrong_nproc_or_a_finished
     job.controller.cancel("stop")
     reply = job.hello(0)
     assert not reply.accepted and "cancelled" in reply.reason
+
+
+def test_an_agent_started_with_another_job_spec_is_refused_naming_the_fields(make_job):
+    """The spec travels with the job: every node must run the controller's, or its workers would
+    keep other timeouts than the controller's deadlines assume."""
+    job = make_job(nnodes=2, nproc_per_node=2, comm_timeout=30.0)
+    ours = spec_to_dict(job.spec)
+    theirs = {**ours, "comm_timeout": 90.0, "max_restarts": 3}
+    reply = job.controller.hello(AgentHello(1, 1001, "host1", 2, spec=theirs))
+    assert not reply.accepted
+    assert reply.reason == "the agent's job spec differs from the controller's in: comm_timeout, max_restarts"
+    assert job.controller.nodes == {}
+    assert [event.kind for event in job.events()] == []
+    assert job.controller.hello(AgentHello(1, 1001, "host1", 2, spec=ours)).accepted
 
 
 def test_a_node_that_never_says_hello_fails_the_start(make_job):
@@ -354,9 +240,9 @@ def test_a_rank_that_stops_heartbeating_is_a_heartbeat_missed_fault(make_job):
     job = make_job(nproc_per_node=2, heartbeat_timeout=0.25)
     job.start_running()
     # Rank 0 beats for three timeouts; rank 1 never beats, so only start_timeout applies to it.
-    until = time.time() + 0.75
+    until = job.now() + 0.75
     step = 0
-    while time.time() < until:
+    while job.now() < until:
         step += 1
         job.beat(0, step)
         job.poll(0, 1, job.statuses(0, 1), wait=0.05)
@@ -576,10 +462,8 @@ def newcomer(job: Job, rank: int, generation: int = 2, wait: float = PLAN_WAIT_S
 
 
 def check_in_together(job: Job, requests: list[RecoverRequest]) -> dict[int, Plan]:
-    """Every request long-polls ``Controller.recover`` in its own thread, as the workers do."""
-    with ThreadPoolExecutor(len(requests)) as pool:
-        futures = {request.rank: pool.submit(job.controller.recover, request) for request in requests}
-    return {rank: future.result() for rank, future in futures.items()}
+    """Every request long-polls for its plan, as the workers do."""
+    return harness_check_in_together(job.controller, requests)
 
 
 def test_a_killed_worker_is_recovered_in_place_and_only_it_restarts(make_job):
@@ -857,6 +741,6 @@ def test_losing_an_idle_spare_is_not_a_fault(make_job):
     job.start_running()
     job.controller.report_agent_exit(2, -9)
     assert job.wait_for(lambda: bool(job.events(ev.AGENT_LOST)))
-    time.sleep(0.3)
+    job.advance(0.3)
     assert job.events(ev.FAULT_DETECTED) == []
     assert job.controller.state is JobState.RUNNING

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import EtcdServer
-from tests.unit.test_controller import WAIT, Job
+from tests.unit.job_harness import WAIT, Job, ShellJob
 from undying import events as ev
 from undying.controller.core import Controller, NotInCharge
-from undying.controller.etcd import EtcdClient
-from undying.controller.ha import Candidate, locate_controller
+from undying.controller.ha import Candidate
 from undying.controller.state import JobState
+from undying.etcd import EtcdClient
 from undying.events import read_events
+from undying.locate import locate_controller
 from undying.protocol import AgentPoll, InjectionClaim, OrderKind, PlanAction, RecoverRequest
 
 RECOVERABLE = {"nnodes": 2, "nproc_per_node": 2, "process_recover": True, "recover_strategy": ["recover-in-place", "recover"],
@@ -100,7 +101,7 @@ def test_an_injection_claimed_before_the_failover_is_not_granted_again(tmp_path:
 
 def test_a_controller_that_cannot_save_its_state_stops_deciding(tmp_path: Path) -> None:
     """A fenced write refused (another candidate leads now): run() returns None, nothing more is decided."""
-    job = Job(tmp_path, **RECOVERABLE)
+    job = ShellJob(tmp_path, **RECOVERABLE)
     job.controller.save_state = lambda state: False
     for node in range(2):
         job.hello(node)
@@ -144,7 +145,7 @@ def test_one_leader_at_a_time_and_a_takeover_when_its_lease_expires(etcd_server:
 
 
 def test_a_controller_is_constructed_without_failover_by_default(tmp_path: Path) -> None:
-    job = Job(tmp_path)
+    job = ShellJob(tmp_path)
     assert isinstance(job.controller, Controller) and job.controller.save_state is None
     with pytest.raises(KeyError):
         job.controller.resume({}, why="nothing saved")
@@ -153,7 +154,7 @@ def test_a_controller_is_constructed_without_failover_by_default(tmp_path: Path)
 def test_a_controller_not_sure_of_its_lease_answers_nobody_and_decides_nothing(tmp_path: Path) -> None:
     """A leader frozen past its lease wakes up not in charge: requests get NotInCharge (HTTP 503,
     clients then ask etcd), and its loop starts no generation although every node said hello."""
-    job = Job(tmp_path, **RECOVERABLE)
+    job = ShellJob(tmp_path, **RECOVERABLE)
     for node in range(2):
         job.hello(node)
     job.controller.in_charge = lambda: False

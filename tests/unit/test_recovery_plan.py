@@ -7,8 +7,12 @@ as the source, and sends the state to the newcomers and to every survivor behind
 from __future__ import annotations
 
 from undying.controller.recovery import ActiveRecovery
+from undying.faults import Fault
 from undying.protocol import Plan, PlanAction
-from undying.strategies import DUMP, RECOVER, RECOVER_IN_PLACE, RETRY, Fault
+from undying.strategy_names import StrategyName
+
+DUMP, RECOVER = StrategyName.DUMP, StrategyName.RECOVER
+RECOVER_IN_PLACE, RETRY = StrategyName.RECOVER_IN_PLACE, StrategyName.RETRY
 
 KILLED = Fault("worker_exit", node=1, rank=3, step=7, exitcode=-9, signal="SIGKILL")
 

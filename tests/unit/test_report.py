@@ -7,6 +7,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from undying.events import Event, EventLog
+from undying.faults import FaultReason, describe_fault
 from undying.report import render_summary, render_timeline_svg, summarize, write_report
 
 SVG_NS = "{http://www.w3.org/2000/svg}"
@@ -253,8 +254,8 @@ def test_one_kill_restart_and_resume() -> None:
     assert recovery.detect_seconds == pytest.approx(DETECT)
 
     assert (
-        "fault: SIGKILL of rank 1 (node 0) at step 25 -> decision: job-restart -> resumed from step 20 "
-        "(5 steps lost), training again 3.2 s after the fault (detected 0.3 s after the injection)"
+        "fault: rank 1 exited (killed by SIGKILL) at step 25 -> decision: job-restart -> resumed from step "
+        "20 (5 steps lost), training again 3.2 s after the fault (detected 0.3 s after the injection)"
     ) in render_summary(summary)
 
 
@@ -346,8 +347,20 @@ def test_agent_lost_fault_is_described_by_node() -> None:
     ]
     (recovery,) = summarize(events).recoveries
     assert recovery.rank is None and recovery.node == 1
-    assert "fault: agent lost on node 1 at step 7" in render_summary(summarize(events))
+    assert "fault: node 1 lost (agent gone) at step 7" in render_summary(summarize(events))
 
+
+def test_a_fault_is_worded_as_the_controller_logged_it() -> None:
+    events = synthetic_run(faults={25: 1})
+    fault = next(e for e in events if e.kind == "fault_detected")
+    logged = describe_fault(FaultReason.WORKER_EXIT, rank=1, node=0, exitcode=-9, signal="SIGKILL")
+    # No description in these events: the report words the fault from its fields.
+    assert f"fault: {logged} at step 25" in render_summary(summarize(events))
+
+    fault.details["description"] = "rank 1 exited (as the controller put it)"
+    (recovery,) = summarize(events).recoveries
+    assert recovery.description == "rank 1 exited (as the controller put it)"
+    assert "fault: rank 1 exited (as the controller put it) at step 25" in render_summary(summarize(events))
 
 def test_empty_log() -> None:
     summary = summarize([])

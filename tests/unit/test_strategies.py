@@ -5,30 +5,26 @@ from __future__ import annotations
 
 import pytest
 
-from undying import strategies
 from undying.config import JobSpec, SpecError, validate_job_spec
-from undying.strategies import (
+from undying.controller import strategies
+from undying.controller.strategies import (
     BUILT,
-    DUMP,
-    ELASTIC,
-    EXIT,
-    JOB_RESTART,
-    MAX_RETRIES_PER_STEP,
-    RECOVER,
-    RECOVER_IN_PLACE,
-    RETRY,
-    Dump,
-    Elastic,
-    Fault,
-    Recover,
-    RecoverInPlace,
     RecoveryContext,
-    Retry,
     decide,
     describe_chain,
     effective_chain,
     unbuilt_strategies,
 )
+from undying.controller.strategies.dump import Dump
+from undying.controller.strategies.elastic import Elastic
+from undying.controller.strategies.process import Recover, RecoverInPlace, Retry
+from undying.faults import Fault
+from undying.strategy_names import StrategyName
+
+RETRY, RECOVER_IN_PLACE, RECOVER = StrategyName.RETRY, StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER
+ELASTIC, DUMP = StrategyName.ELASTIC, StrategyName.DUMP
+JOB_RESTART, EXIT = StrategyName.JOB_RESTART, StrategyName.EXIT
+MAX_RETRIES_PER_STEP = Retry.max_retries_per_step
 
 KILLED = Fault("worker_exit", node=0, rank=1, step=25, exitcode=-9, signal="SIGKILL")
 STEP_FAILED = Fault("step_failed", node=0, rank=1, step=25, detail="allreduce timed out")
@@ -119,8 +115,8 @@ def test_recover_comes_before_elastic_training_when_pods_are_rescheduled():
     assert decide(NODE_LOST, excluded).strategy == ELASTIC
 
 
-class RefusingRetry:
-    name = "retry"
+class RefusingRetry(Retry):
+    name = StrategyName.RETRY
 
     def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
         return None if fault.reason == "heartbeat_missed" else "only for hangs"

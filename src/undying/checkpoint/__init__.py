@@ -1,8 +1,10 @@
 """Checkpoint engine: saving and restoring training state across the state tiers.
 
 Runs in the worker processes. ``snapshot`` is tier T1: each rank's state in node shared
-memory, written at a step boundary. ``storage`` is tier T2: files on a filesystem or behind
-an fsspec URL, committed atomically by a checksummed manifest and verified before they are loaded;
+memory, written at a step boundary (``snapshot_slot``: one slot's file; ``state_tree``: the
+state split into skeleton and tensors). ``storage`` is tier T2: files on a filesystem or behind
+an fsspec URL, committed atomically by a checksummed manifest (``manifest``) and verified before
+they are loaded, through a ``StorageBackend`` (``backend``; ``local_backend``, ``url_backend``);
 ``dcp_format`` lays the shared shard out as a torch.distributed.checkpoint directory;
 ``persister`` moves T1 snapshots to T2 on a background thread.
 """

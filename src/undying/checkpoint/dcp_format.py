@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from undying.checkpoint.snapshot import flatten_state, unflatten_state
+from undying.checkpoint.state_tree import flatten_state, unflatten_state
 from undying.checkpoint.storage import (
     CommittedCheckpoint,
     CorruptCheckpoint,

@@ -2,309 +2,45 @@
 
 Runs in the worker. The training thread writes a snapshot (the training stall is that
 copy), the persister thread reads a pinned one to write it to T2 (checkpoint/persister.py),
-and after a restart the new worker on the same node reads the newest complete one. The
-slot files live in the node's shared-memory directory (undying/shm.py): they outlive the
-worker's SIGKILL, and the node's agent removes them when the job ends.
-
-File of one slot (``rank<R>.slot<K>``)::
-
-    [0, 4096)        header: magic, format, sequence number, step, generation, world size,
-                     data/meta extents, CRC-32 of the meta block and of the header fields;
-                     a separate ``state`` word: EMPTY, WRITING or COMMITTED
-    [4096, ...)      tensor data, each tensor 64-byte aligned, in the order of flatten_state
-    [meta_offset...) meta block: pickle of the state's skeleton (everything but tensors) and
-                     the tensor layout (offset, dtype, shape)
+and after a restart the new worker on the same node reads the newest complete one. This module
+chooses the slot each snapshot goes to and which ones readers may take; one slot's file and
+header are snapshot_slot.py, the walk over the state's tree is state_tree.py.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
 import pickle
-import struct
 import threading
 import time
-import zlib
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from undying.checkpoint.copy import BackgroundCopy, copy_now
+from undying.checkpoint.snapshot_slot import (
+    HEADER_BYTES,
+    STATE_EMPTY,
+    STATE_WRITING,
+    Slot,
+    SnapshotInfo,
+    SnapshotUnavailable,
+    tensor_layout,
+)
+from undying.checkpoint.state_tree import copy_into, flatten_state, unflatten_state
 
-MAGIC = b"UNDYSNAP"
-FORMAT_VERSION = 1
-HEADER_BYTES = 4096
-ALIGN = 64
+__all__ = [
+    "STATE_WRITING",
+    "RankSnapshots",
+    "SnapshotInfo",
+    "SnapshotUnavailable",
+    "copy_into",
+    "flatten_state",
+    "unflatten_state",
+]
+
 META_SLACK = 1 << 20  # room for the meta block to grow (loader positions, user state) without a remap
-
-STATE_EMPTY = 0
-STATE_WRITING = 1
-STATE_COMMITTED = 2
-
-# magic, format, seq, step, generation, world_size, data_bytes, meta_offset, meta_bytes, meta_crc
-_HEADER = struct.Struct("<8sIQqqqQQQI")
-_STATE_OFFSET = 128  # the commit word, apart from the fields it vouches for
-_HEADER_CRC_OFFSET = 132
-_WORD = struct.Struct("<I")
-
-
-class SnapshotUnavailable(RuntimeError):
-    """Node shared memory could not hold the snapshot (e.g. /dev/shm is full)."""
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """Stands for the tensor at ``index`` of a flattened state."""
-
-    index: int
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    """A complete snapshot in one slot: the step it holds and where it was taken."""
-
-    slot: int
-    seq: int
-    step: int
-    generation: int
-    world_size: int
-    nbytes: int
-
-
-# ----------------------------------------------------------------- flatten / unflatten
-
-
-def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Split ``state`` into a picklable skeleton (tensors replaced by ``TensorRef``) and its tensors.
-
-    Dicts (their type and ``_metadata``, which ``load_state_dict`` reads, kept), lists and
-    tuples are walked; every other value stays in the skeleton as is.
-    """
-    tensors: list[torch.Tensor] = []
-
-    def leaf(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value.detach())
-            return TensorRef(len(tensors) - 1)
-        return value
-
-    return _map_leaves(state, leaf), tensors
-
-
-def unflatten_state(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """The inverse of ``flatten_state``: the skeleton with each ``TensorRef`` replaced by its tensor."""
-    return _map_leaves(skeleton, lambda value: tensors[value.index] if isinstance(value, TensorRef) else value)
-
-
-def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
-    """A copy of the nested dicts (type and ``_metadata`` kept), lists and tuples (named ones too) in
-    ``value``, with ``leaf`` applied to every other value."""
-    if isinstance(value, dict):
-        copied = OrderedDict() if isinstance(value, OrderedDict) else {}
-        for key, item in value.items():
-            copied[key] = _map_leaves(item, leaf)
-        metadata = getattr(value, "_metadata", None)
-        if metadata is not None:
-            copied._metadata = metadata  # type: ignore[attr-defined]
-        return copied
-    if isinstance(value, list):
-        return [_map_leaves(item, leaf) for item in value]
-    if isinstance(value, tuple):
-        items = [_map_leaves(item, leaf) for item in value]
-        return type(value)._make(items) if hasattr(value, "_fields") else tuple(items)
-    return leaf(value)
-
-
-def copy_into(source: Any, live: Any) -> Any:
-    """A private copy of ``source`` (e.g. a snapshot's views) that reuses ``live`` memory: each tensor
-    is copied into the tensor at the same place of ``live`` when that one has the same dtype and
-    shape (on any device: host-to-device for a GPU job), and cloned otherwise. Restoring into a
-    process that already holds its state (or its model's parameters) then allocates nothing for
-    those tensors."""
-    if isinstance(source, torch.Tensor):
-        if (isinstance(live, torch.Tensor) and live.dtype == source.dtype and live.shape == source.shape
-                and not live.requires_grad):
-            return live.copy_(source)
-        return source.clone()
-    if isinstance(source, dict):
-        copied = OrderedDict() if isinstance(source, OrderedDict) else {}
-        for key, item in source.items():
-            copied[key] = copy_into(item, live.get(key) if isinstance(live, dict) else None)
-        metadata = getattr(source, "_metadata", None)
-        if metadata is not None:
-            copied._metadata = metadata  # type: ignore[attr-defined]
-        return copied
-    if isinstance(source, (list, tuple)):
-        same_shape = isinstance(live, (list, tuple)) and len(live) == len(source)
-        items = [copy_into(item, live[index] if same_shape else None) for index, item in enumerate(source)]
-        if isinstance(source, list):
-            return items
-        return type(source)._make(items) if hasattr(source, "_fields") else tuple(items)
-    return source
-
-
-def tensor_layout(tensors: Sequence[torch.Tensor]) -> tuple[list[tuple[int, torch.dtype, tuple[int, ...]]], int]:
-    """Where each tensor goes in a slot's data region (64-byte aligned) and the region's size."""
-    layout, offset = [], 0
-    for tensor in tensors:
-        layout.append((offset, tensor.dtype, tuple(tensor.shape)))
-        offset = _align(offset + tensor.numel() * tensor.element_size())
-    return layout, offset
-
-
-def _align(value: int) -> int:
-    return (value + ALIGN - 1) // ALIGN * ALIGN
-
-
-# ------------------------------------------------------------------------------ slots
-
-
-class _Slot:
-    """One slot file (or, without a directory, anonymous memory) and the views laid over it."""
-
-    def __init__(self, path: Path | None, index: int) -> None:
-        self.path = path
-        self.index = index
-        self.size = 0
-        self._mm: mmap.mmap | None = None
-        self.layout: list[tuple[int, torch.dtype, tuple[int, ...]]] | None = None
-        self.views: list[torch.Tensor] = []
-        self.info: SnapshotInfo | None = None  # set while the slot holds a complete snapshot
-        self._page_locked: int | None = None  # the address registered with CUDA (page-locked), if any
-        if path is not None and path.exists():
-            self._map(path.stat().st_size)
-            self.info = self._read_info()
-
-    # -- memory
-
-    def reserve(self, size: int) -> None:
-        """Make the slot at least ``size`` bytes, every page allocated and mapped now, not during a copy."""
-        if size <= self.size:
-            return
-        self._unlock_pages()
-        self.views, self.layout, self._mm = [], None, None
-        self._map(size)
-
-    def _map(self, size: int) -> None:
-        if self.path is None:
-            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
-        else:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                # Allocated up front: a write into a hole of a full tmpfs is a SIGBUS, this is an error.
-                os.posix_fallocate(fd, 0, size)
-                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-            except OSError as error:
-                raise SnapshotUnavailable(f"{self.path}: cannot hold {size} bytes ({error})") from error
-            finally:
-                os.close(fd)
-        self._mm = mm
-        self.size = size
-
-    def lock_pages(self) -> None:
-        """Page-lock the mapping for CUDA (as torch.distributed.checkpoint's stager does with its
-        shared memory), so that device-to-host copies into it run at full speed and asynchronously;
-        once per mapping. Raises RuntimeError if CUDA refuses."""
-        if self._page_locked is not None or self._mm is None:
-            return
-        from torch.cuda import _pin_memory_utils
-
-        address = torch.frombuffer(self._mm, dtype=torch.uint8, count=1).data_ptr()
-        _pin_memory_utils.pin_memory(address, self.size)
-        self._page_locked = address
-
-    def _unlock_pages(self) -> None:
-        address, self._page_locked = self._page_locked, None
-        if address is not None:
-            from torch.cuda import _pin_memory_utils
-
-            _pin_memory_utils.unpin_memory(address)
-
-    def lay_out(self, layout: list[tuple[int, torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
-        """Views of the data region laid out as ``layout``; built once per layout, then reused."""
-        if self.layout != layout:
-            assert self._mm is not None
-            views = []
-            for offset, dtype, shape in layout:
-                numel = _numel(shape)
-                # Each view owns a storage of exactly its bytes (not a slice of one big storage), so that
-                # torch.save and DCP write the tensor, not the slot, and DCP needs no copy of it first.
-                views.append(torch.frombuffer(self._mm, dtype=dtype, count=numel, offset=HEADER_BYTES + offset)
-                             .view(shape) if numel else torch.empty(shape, dtype=dtype))
-            self.views, self.layout = views, layout
-        return self.views
-
-    def close(self) -> None:
-        self._unlock_pages()
-        self.views, self.layout = [], None
-        mm, self._mm = self._mm, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # a caller still holds a view: the mapping goes when that view does
-
-    # -- header
-
-    def set_state(self, state: int) -> None:
-        assert self._mm is not None
-        _WORD.pack_into(self._mm, _STATE_OFFSET, state)
-
-    def write_meta_and_commit(self, meta: bytes, data_bytes: int, seq: int, step: int, generation: int,
-                              world_size: int) -> None:
-        assert self._mm is not None
-        meta_offset = HEADER_BYTES + data_bytes
-        self._mm[meta_offset:meta_offset + len(meta)] = meta
-        fields = _HEADER.pack(MAGIC, FORMAT_VERSION, seq, step, generation, world_size, data_bytes,
-                              meta_offset, len(meta), zlib.crc32(meta))
-        self._mm[:_HEADER.size] = fields
-        _WORD.pack_into(self._mm, _HEADER_CRC_OFFSET, zlib.crc32(fields))
-        # Written last: until this word says COMMITTED, no reader takes the slot (a torn copy stays invisible).
-        self.set_state(STATE_COMMITTED)
-        self.info = SnapshotInfo(self.index, seq, step, generation, world_size, data_bytes)
-
-    def _read_info(self) -> SnapshotInfo | None:
-        """The slot's snapshot if it is complete and intact, else None."""
-        mm = self._mm
-        if mm is None or self.size < HEADER_BYTES:
-            return None
-        if _WORD.unpack_from(mm, _STATE_OFFSET)[0] != STATE_COMMITTED:
-            return None
-        fields = bytes(mm[:_HEADER.size])
-        if zlib.crc32(fields) != _WORD.unpack_from(mm, _HEADER_CRC_OFFSET)[0]:
-            return None
-        magic, version, seq, step, generation, world_size, data_bytes, meta_offset, meta_bytes, meta_crc = \
-            _HEADER.unpack(fields)
-        if magic != MAGIC or version != FORMAT_VERSION or meta_offset + meta_bytes > self.size:
-            return None
-        if zlib.crc32(mm[meta_offset:meta_offset + meta_bytes]) != meta_crc:
-            return None
-        return SnapshotInfo(self.index, seq, step, generation, world_size, data_bytes)
-
-    def read_meta(self) -> tuple[Any, list[tuple[int, torch.dtype, tuple[int, ...]]]]:
-        assert self._mm is not None and self.info is not None
-        fields = _HEADER.unpack_from(self._mm, 0)
-        meta_offset, meta_bytes = fields[7], fields[8]
-        # Only bytes this job's own worker wrote into its node's private (0700) directory.
-        meta = pickle.loads(self._mm[meta_offset:meta_offset + meta_bytes])  # noqa: S301
-        return meta["skeleton"], meta["layout"]
-
-
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-# ----------------------------------------------------------------------- one rank's T1
 
 
 class RankSnapshots:
@@ -341,7 +77,7 @@ class RankSnapshots:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.directory = directory
         self.rank = rank
-        self._slots = [_Slot(None if directory is None else directory / f"rank{rank:05d}.slot{k}", k)
+        self._slots = [Slot(None if directory is None else directory / f"rank{rank:05d}.slot{k}", k)
                        for k in range(slots)]
         self._lock = threading.Lock()  # slot choice and pins: the training thread writes, the persister pins
         self._pins = [0] * slots
@@ -406,7 +142,7 @@ class RankSnapshots:
                 self._background = (slot.index, step, BackgroundCopy(
                     *later, then=lambda: self._committed_in_background(commit)))
                 deferred = True
-                info = SnapshotInfo(slot.index, seq, step, generation, world_size, data_bytes)
+                info: SnapshotInfo | None = SnapshotInfo(slot.index, seq, step, generation, world_size, data_bytes)
             else:
                 commit()
                 info = slot.info
@@ -439,7 +175,7 @@ class RankSnapshots:
             with self._lock:
                 self._writing = None  # a failed copy leaves its slot WRITING (invisible) and free
 
-    def _reserve_others(self, size: int, written: _Slot) -> None:
+    def _reserve_others(self, size: int, written: Slot) -> None:
         """Grow the other slots to ``size`` on a helper thread: allocating and mapping gigabytes takes
         seconds (in syscalls that release the GIL), and the next snapshots should not stall on it;
         until a slot is ready, a write skips it as it skips a pinned one."""
@@ -457,7 +193,7 @@ class RankSnapshots:
             self._reservers.append(thread)
             thread.start()
 
-    def _reserve(self, slot: _Slot, size: int) -> None:
+    def _reserve(self, slot: Slot, size: int) -> None:
         try:
             slot.reserve(size)
         except SnapshotUnavailable:
@@ -472,7 +208,7 @@ class RankSnapshots:
             thread.join()
         self._reservers = []
 
-    def _free_slot(self) -> _Slot | None:
+    def _free_slot(self) -> Slot | None:
         newest = self._newest()
         # The newest snapshot may be overwritten only while a pinned one (complete, being persisted)
         # remains: a torn write then falls back to it, and T1 keeps up with training meanwhile.
@@ -485,7 +221,7 @@ class RankSnapshots:
         # An empty slot first, else the one holding the oldest snapshot.
         return min(candidates, key=lambda slot: -1 if slot.info is None else slot.info.seq)
 
-    def _newest(self) -> _Slot | None:
+    def _newest(self) -> Slot | None:
         held = [slot for slot in self._slots if slot.info is not None]
         return max(held, key=lambda slot: slot.info.seq) if held else None  # type: ignore[union-attr]
 

@@ -1,7 +1,7 @@
 """Controller failover: leader election by an etcd lease, the controller's state kept in etcd.
 
-Runs in every ``undying run --etcd`` process (each one is a controller candidate) and,
-for ``locate_controller``, in agents and workers. Keys, under ``/undying/<job>/``:
+Runs in every ``undying run --etcd`` process (each one is a controller candidate); agents
+and workers find the leader with ``undying.locate``. Keys, under ``/undying/<job>/``:
 
 * ``leader``: JSON ``{"id", "controller", "store", "epoch"}``, created only if absent
   (a compare-and-put on its create revision) and bound to the winner's lease. When
@@ -29,17 +29,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from undying.controller.etcd import EtcdClient, EtcdUnavailable, KeyValue
+from undying.etcd import EtcdClient, EtcdUnavailable, KeyValue
+from undying.locate import job_prefix
 
-ENV_ETCD = "UNDYING_ETCD"  # host:port of etcd, in agents and workers of a failover job
-ENV_HA_JOB = "UNDYING_HA_JOB"  # the job's name (its key prefix in etcd)
 # A leader acts only within this fraction of the ttl after its last confirmed renewal (renewals
 # come every ttl/3), so it stops before etcd can let the lease expire and another candidate win.
 IN_CHARGE_FRACTION = 0.8
-
-
-def job_prefix(job: str) -> str:
-    return f"/undying/{job}"
 
 
 def saved_state(endpoint: str, job: str) -> dict[str, Any] | None:
@@ -53,32 +48,6 @@ def saved_state(endpoint: str, job: str) -> dict[str, Any] | None:
 
 def _state_of(record: KeyValue | None) -> dict[str, Any] | None:
     return None if record is None else json.loads(record.value)
-
-
-def locate_controller(endpoint: str, job: str, timeout: float = 1.0) -> str | None:
-    """The current leader's controller address ``host:port``, or None while there is none."""
-    client = EtcdClient(endpoint, timeout=timeout)
-    try:
-        record = client.get(f"{job_prefix(job)}/leader")
-    except EtcdUnavailable:
-        return None
-    finally:
-        client.close()
-    if record is None:
-        return None
-    try:
-        address = json.loads(record.value).get("controller") or None
-    except (ValueError, AttributeError):
-        return None
-    return address
-
-
-def locator_from_env(env: dict[str, str] | Any) -> Callable[[], str | None] | None:
-    """A locator for ``ControllerClient`` when this process belongs to a failover job, else None."""
-    endpoint, job = env.get(ENV_ETCD), env.get(ENV_HA_JOB)
-    if not endpoint or not job:
-        return None
-    return lambda: locate_controller(endpoint, job)
 
 
 class Candidate:

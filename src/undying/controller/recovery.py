@@ -1,4 +1,4 @@
-"""One process-level recovery in progress, as the controller tracks it, and the plan it produces.
+"""One process-level recovery in progress, the workers' check-ins to it, and the plan it produces.
 
 Runs in the controller. Survivors check in with the committed step they hold; replacement
 ranks check in once started. When everyone expected has checked in, the plan names the
@@ -11,15 +11,22 @@ recovery's members; an elastic grow adds a returned node's ranks to them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from undying.protocol import Plan, PlanAction
-from undying.strategies import DUMP, Fault
+from undying.controller.membership import RankRecord
+from undying.controller.state import JobState
+from undying.faults import Fault, FaultReason
+from undying.protocol import Phase, Plan, PlanAction, RecoverRequest
+from undying.strategy_names import StrategyName
+
+if TYPE_CHECKING:
+    from undying.controller.machine import JobMachine
 
 
 @dataclass
 class ActiveRecovery:
-    strategy: str
+    strategy: StrategyName
     fault: Fault
     old_generation: int
     generation: int
@@ -42,7 +49,7 @@ class ActiveRecovery:
 
     @property
     def action(self) -> str:
-        return PlanAction.DUMP if self.strategy == DUMP else PlanAction.RESUME
+        return PlanAction.DUMP if self.strategy == StrategyName.DUMP else PlanAction.RESUME
 
     def missing(self) -> list[int]:
         """Ranks the plan still waits for."""
@@ -62,3 +69,49 @@ class ActiveRecovery:
                          receivers=sorted(self.newcomers | behind), reason=self.fault.describe(),
                          members=list(self.members))
         return self.plan
+
+
+def note_check_in(job: JobMachine, now: float, request: RecoverRequest, record: RankRecord | None) -> None:
+    """Record a worker's check-in where it belongs: the running recovery, a pending grow, or a new step failure."""
+    if record is not None:
+        record.phase = Phase.RECOVERING
+        record.last_heartbeat = now
+    recovery = job.recovery
+    pending = job.pending_grow
+    if request.newcomer and recovery is None and pending is not None and request.generation == pending.generation:
+        pending.newcomers_ready.add(request.rank)
+    elif request.newcomer:
+        if recovery is not None and request.generation == recovery.generation:
+            recovery.newcomers_ready.add(request.rank)
+        elif recovery is not None and request.rank in recovery.survivors and recovery.plan is None:
+            # Alive but without the state (its own repair failed): it receives, it is not restarted.
+            recovery.survivors.discard(request.rank)
+            recovery.newcomers.add(request.rank)
+            recovery.newcomers_ready.add(request.rank)
+    elif recovery is not None and request.generation < recovery.generation and request.rank in recovery.survivors:
+        recovery.checked_in[request.rank] = request.committed_step
+    elif job.state is JobState.RUNNING and request.generation == job.generation:
+        job.detector.step_failed(now, Fault(
+            FaultReason.STEP_FAILED, node=record.node if record else request.node, rank=request.rank,
+            step=request.committed_step, detail=request.reason[:300]), request.generation)
+
+def plan_for(job: JobMachine, request: RecoverRequest) -> Plan:
+    """The plan a checked-in worker leaves with (WAIT: ask again)."""
+    recovery = job.recovery
+    if recovery is not None:
+        if recovery.plan is None:
+            return Plan(action=PlanAction.WAIT)
+        in_plan = request.rank in recovery.checked_in or request.rank in recovery.newcomers
+        return _stamped(job, recovery.plan) if in_plan else Plan(action=PlanAction.EXIT,
+                                                                  reason="not part of this recovery")
+    if job.state is JobState.RUNNING:
+        formed = job.plans.get(job.generation)
+        # The plan was published while this worker was between two polls.
+        fits = request.generation < job.generation or (request.newcomer and request.generation == job.generation)
+        return _stamped(job, formed) if formed is not None and fits else Plan(action=PlanAction.WAIT)
+    if job.state in (JobState.STOPPING, JobState.RESTARTING) or job.state.terminal:
+        return Plan(action=PlanAction.EXIT, reason=f"job {job.state.value}")
+    return Plan(action=PlanAction.WAIT)
+
+def _stamped(job: JobMachine, plan: Plan) -> Plan:
+    return replace(plan, store=job.store_address, rng_stores=list(job.rng_stores))

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import enum
 
+# The process exit code of `undying run` for each way a job ends.
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CANCELLED = 130
+
 
 class JobState(enum.Enum):
     WAITING_FOR_NODES = "waiting_for_nodes"  # not every node's agent has said hello yet

@@ -51,7 +51,7 @@ class BoundedStore:
         return value
 
     def set(self, key: str, value: bytes | str) -> None:
-        self._call(lambda store: store.set(key, value))
+        self._call(lambda store: store.set(key, value))  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
 
     def get(self, key: str) -> bytes:
         return self._call(lambda store: store.get(key))

@@ -14,6 +14,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -98,12 +99,14 @@ class GenerationGroup:
     def _build(self, backend: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
         # Built with a long timeout so a late joiner (a newcomer importing torch) is waited for;
         # every collective is then bounded by comm_timeout in _wait.
+        # The backend object is used directly as the generation's group: it serves every call made on
+        # it here (allreduce, broadcast, send, recv), though torch's stubs do not derive it from ProcessGroup.
         if backend == "gloo":
-            return dist.ProcessGroupGloo(self.store, self.rank, self.world_size, timeout)
+            return cast(dist.ProcessGroup, dist.ProcessGroupGloo(self.store, self.rank, self.world_size, timeout))
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            return dist.ProcessGroupNCCL(self.store, self.rank, self.world_size, options)
+            return cast(dist.ProcessGroup, dist.ProcessGroupNCCL(self.store, self.rank, self.world_size, options))
         raise ValueError(f"backend {backend!r}: allowed gloo, nccl")
 
     def _wait(self, op: str, work: dist.Work) -> None:
@@ -166,32 +169,27 @@ class GenerationGroup:
         except Exception as error:
             raise CollectiveError("broadcast", self.rank, self.generation, error) from None
 
-    def send_bytes(self, data: bytes, dst: int, tag: int = 0) -> None:
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-        for index, tensor in enumerate((size, payload)):
-            try:
-                self._wait("send", self.group.send([tensor], dst, tag * 2 + index))
-            except CollectiveError:
-                raise
-            except Exception as error:
-                raise CollectiveError("send", self.rank, self.generation, error) from None
-
-    def recv_bytes(self, src: int, tag: int = 0) -> bytes:
-        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Point-to-point: ``tensor`` to group rank ``dst``, matched by the ``recv`` with the same tag."""
         try:
-            self._wait("recv", self.group.recv([size], src, tag * 2))
-            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-            self._wait("recv", self.group.recv([payload], src, tag * 2 + 1))
+            self._wait("send", self.group.send([tensor], dst, tag))
+        except CollectiveError:
+            raise
+        except Exception as error:
+            raise CollectiveError("send", self.rank, self.generation, error) from None
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        """Point-to-point: fill ``tensor`` (its shape and dtype must match the sender's) from ``src``."""
+        try:
+            self._wait("recv", self.group.recv([tensor], src, tag))
         except CollectiveError:
             raise
         except Exception as error:
             raise CollectiveError("recv", self.rank, self.generation, error) from None
-        return payload.cpu().numpy().tobytes()
 
     def gather_objects(self, key: str, value: bytes) -> list[bytes] | None:
         """Every rank hands ``value`` to rank 0 through the store; rank 0 gets them all (in rank order)."""
-        self.store.set(f"{key}/{self.rank}", value)
+        self.store.set(f"{key}/{self.rank}", value)  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
         if self.rank != 0:
             return None
         keys = [f"{key}/{rank}" for rank in range(self.world_size)]
@@ -199,7 +197,7 @@ class GenerationGroup:
         return [self.store.get(k) for k in keys]
 
     def publish(self, key: str, value: bytes) -> None:
-        self.store.set(key, value)
+        self.store.set(key, value)  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
 
     def read(self, key: str) -> bytes:
         self.store.wait([key], self.comm_timeout)

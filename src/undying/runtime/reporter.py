@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 from undying.client import ControllerClient, ControllerUnreachable
-from undying.controller.ha import locator_from_env
 from undying.events import Event
+from undying.locate import locator_from_env
 from undying.protocol import (
     ROUTE_EVENT,
     ROUTE_INJECT_CLAIM,
@@ -46,7 +46,7 @@ class Reporter:
         self.generation = generation
         self.interval = interval
         self.step = 0
-        self.phase = Phase.STARTING
+        self.phase: str = Phase.STARTING
         self.loss: float | None = None
         self.abort_generation = 0  # the newest generation the controller told us to abandon
         self.mirror_store = ""  # failover jobs: a second store for the RNG mirror (from heartbeat replies)

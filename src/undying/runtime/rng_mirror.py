@@ -23,7 +23,7 @@ from undying import events as ev
 from undying.client import parse_address
 from undying.runtime.bounded_store import BoundedStore, connect_bounded
 from undying.runtime.reporter import Reporter
-from undying.runtime.rng import rng_from_bytes
+from undying.runtime.rng import capture_rng, rng_from_bytes, rng_to_bytes
 
 KEEP = 3  # steps of mirrored RNG state kept per rank
 MIRROR_TIMEOUT_S = 5.0  # the job store: a write takes milliseconds unless its host froze
@@ -56,6 +56,10 @@ class RngMirror:
         self.store = store
         self._store_lost = False
         self._last = (-1, b"")
+
+    def write_rng(self, step: int, state: dict[str, Any] | None = None) -> None:
+        """Mirror ``state`` (by default this process's RNG state now) as the state of ``step``."""
+        self.write(step, rng_to_bytes(state if state is not None else capture_rng()))
 
     def write(self, step: int, data: bytes) -> None:
         if self._last == (step, data) or self._store_lost:
@@ -91,7 +95,7 @@ class RngMirror:
 
 def _put(store: BoundedStore | dist.Store, key: str, data: bytes, stale: str | None) -> bool:
     try:
-        store.set(key, data)
+        store.set(key, data)  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
         if stale is not None:
             store.delete_key(stale)
     except (RuntimeError, OSError):

@@ -1,11 +1,12 @@
 """A small client for etcd's v3 API over its JSON gateway (HTTP), standard library only.
 
 Runs in ``undying run`` (controller candidates), agents and workers of a job started
-with ``--etcd``. It covers what leader election and the controller's saved state need:
-get, put, delete, a compare-and-put transaction, and leases (grant, keep-alive,
-revoke). Keys and values are text; the gateway wants them base64-encoded and
-returns 64-bit numbers as strings, both handled here. Any transport failure or
-non-200 answer is an ``EtcdUnavailable`` naming the endpoint.
+with ``--etcd``; it sits outside ``undying.controller`` so agents and workers load none
+of the controller. It covers what leader election and the controller's saved state
+need: get, put, delete, a compare-and-put transaction, and leases (grant, keep-alive,
+revoke). Keys and values are text; the gateway wants them base64-encoded and returns
+64-bit numbers as strings, both handled here. Any transport failure or non-200 answer
+is an ``EtcdUnavailable`` naming the endpoint.
 """
 
 from __future__ import annotations

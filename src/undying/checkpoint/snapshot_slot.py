@@ -1,0 +1,220 @@
+"""One T1 snapshot slot: a file in node shared memory (or anonymous memory), its header and commit word.
+
+Runs in the worker, for snapshot.py (RankSnapshots), which chooses the slot each snapshot goes to.
+The slot files live in the node's shared-memory directory (undying/shm.py): they outlive the
+worker's SIGKILL, and the node's agent removes them when the job ends.
+
+File of one slot (``rank<R>.slot<K>``)::
+
+    [0, 4096)        header: magic, format, sequence number, step, generation, world size,
+                     data/meta extents, CRC-32 of the meta block and of the header fields;
+                     a separate ``state`` word: EMPTY, WRITING or COMMITTED
+    [4096, ...)      tensor data, each tensor 64-byte aligned, in the order of flatten_state
+    [meta_offset...) meta block: pickle of the state's skeleton (everything but tensors) and
+                     the tensor layout (offset, dtype, shape)
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MAGIC = b"UNDYSNAP"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+ALIGN = 64
+
+STATE_EMPTY = 0
+STATE_WRITING = 1
+STATE_COMMITTED = 2
+
+# magic, format, seq, step, generation, world_size, data_bytes, meta_offset, meta_bytes, meta_crc
+_HEADER = struct.Struct("<8sIQqqqQQQI")
+_STATE_OFFSET = 128  # the commit word, apart from the fields it vouches for
+_HEADER_CRC_OFFSET = 132
+_WORD = struct.Struct("<I")
+
+
+class SnapshotUnavailable(RuntimeError):
+    """Node shared memory could not hold the snapshot (e.g. /dev/shm is full)."""
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A complete snapshot in one slot: the step it holds and where it was taken."""
+
+    slot: int
+    seq: int
+    step: int
+    generation: int
+    world_size: int
+    nbytes: int
+
+
+def tensor_layout(tensors: Sequence[torch.Tensor]) -> tuple[list[tuple[int, torch.dtype, tuple[int, ...]]], int]:
+    """Where each tensor goes in a slot's data region (64-byte aligned) and the region's size."""
+    layout, offset = [], 0
+    for tensor in tensors:
+        layout.append((offset, tensor.dtype, tuple(tensor.shape)))
+        offset = _align(offset + tensor.numel() * tensor.element_size())
+    return layout, offset
+
+
+def _align(value: int) -> int:
+    return (value + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Slot:
+    """One slot file (or, without a directory, anonymous memory) and the views laid over it.
+
+    The writer marks the slot WRITING, copies into ``lay_out``'s views, then
+    ``write_meta_and_commit`` writes the meta block and header and, last, the COMMITTED word; a
+    slot opened from its file holds a snapshot (``info``) only if that word and both CRC-32s
+    check. Which slot a snapshot goes to, and who may read it, is RankSnapshots' (snapshot.py).
+    """
+
+    def __init__(self, path: Path | None, index: int) -> None:
+        self.path = path
+        self.index = index
+        self.size = 0
+        self._mm: mmap.mmap | None = None
+        self.layout: list[tuple[int, torch.dtype, tuple[int, ...]]] | None = None
+        self.views: list[torch.Tensor] = []
+        self.info: SnapshotInfo | None = None  # set while the slot holds a complete snapshot
+        self._page_locked: int | None = None  # the address registered with CUDA (page-locked), if any
+        if path is not None and path.exists():
+            self._map(path.stat().st_size)
+            self.info = self._read_info()
+
+    # -- memory
+
+    def reserve(self, size: int) -> None:
+        """Make the slot at least ``size`` bytes, every page allocated and mapped now, not during a copy."""
+        if size <= self.size:
+            return
+        self._unlock_pages()
+        self.views, self.layout, self._mm = [], None, None
+        self._map(size)
+
+    def _map(self, size: int) -> None:
+        if self.path is None:
+            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        else:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                # Allocated up front: a write into a hole of a full tmpfs is a SIGBUS, this is an error.
+                os.posix_fallocate(fd, 0, size)
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            except OSError as error:
+                raise SnapshotUnavailable(f"{self.path}: cannot hold {size} bytes ({error})") from error
+            finally:
+                os.close(fd)
+        self._mm = mm
+        self.size = size
+
+    def lock_pages(self) -> None:
+        """Page-lock the mapping for CUDA (as torch.distributed.checkpoint's stager does with its
+        shared memory), so that device-to-host copies into it run at full speed and asynchronously;
+        once per mapping. Raises RuntimeError if CUDA refuses."""
+        if self._page_locked is not None or self._mm is None:
+            return
+        from torch.cuda import _pin_memory_utils
+
+        address = torch.frombuffer(self._mm, dtype=torch.uint8, count=1).data_ptr()
+        _pin_memory_utils.pin_memory(address, self.size)
+        self._page_locked = address
+
+    def _unlock_pages(self) -> None:
+        address, self._page_locked = self._page_locked, None
+        if address is not None:
+            from torch.cuda import _pin_memory_utils
+
+            _pin_memory_utils.unpin_memory(address)
+
+    def lay_out(self, layout: list[tuple[int, torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+        """Views of the data region laid out as ``layout``; built once per layout, then reused."""
+        if self.layout != layout:
+            assert self._mm is not None
+            views = []
+            for offset, dtype, shape in layout:
+                numel = _numel(shape)
+                # Each view owns a storage of exactly its bytes (not a slice of one big storage), so that
+                # torch.save and DCP write the tensor, not the slot, and DCP needs no copy of it first.
+                views.append(torch.frombuffer(self._mm, dtype=dtype, count=numel, offset=HEADER_BYTES + offset)
+                             .view(shape) if numel else torch.empty(shape, dtype=dtype))
+            self.views, self.layout = views, layout
+        return self.views
+
+    def close(self) -> None:
+        self._unlock_pages()
+        self.views, self.layout = [], None
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a caller still holds a view: the mapping goes when that view does
+
+    # -- header
+
+    def set_state(self, state: int) -> None:
+        assert self._mm is not None
+        _WORD.pack_into(self._mm, _STATE_OFFSET, state)
+
+    def write_meta_and_commit(self, meta: bytes, data_bytes: int, seq: int, step: int, generation: int,
+                              world_size: int) -> None:
+        assert self._mm is not None
+        meta_offset = HEADER_BYTES + data_bytes
+        self._mm[meta_offset:meta_offset + len(meta)] = meta
+        fields = _HEADER.pack(MAGIC, FORMAT_VERSION, seq, step, generation, world_size, data_bytes,
+                              meta_offset, len(meta), zlib.crc32(meta))
+        self._mm[:_HEADER.size] = fields
+        _WORD.pack_into(self._mm, _HEADER_CRC_OFFSET, zlib.crc32(fields))
+        # Written last: until this word says COMMITTED, no reader takes the slot (a torn copy stays invisible).
+        self.set_state(STATE_COMMITTED)
+        self.info = SnapshotInfo(self.index, seq, step, generation, world_size, data_bytes)
+
+    def _read_info(self) -> SnapshotInfo | None:
+        """The slot's snapshot if it is complete and intact, else None."""
+        mm = self._mm
+        if mm is None or self.size < HEADER_BYTES:
+            return None
+        if _WORD.unpack_from(mm, _STATE_OFFSET)[0] != STATE_COMMITTED:
+            return None
+        fields = bytes(mm[:_HEADER.size])
+        if zlib.crc32(fields) != _WORD.unpack_from(mm, _HEADER_CRC_OFFSET)[0]:
+            return None
+        magic, version, seq, step, generation, world_size, data_bytes, meta_offset, meta_bytes, meta_crc = \
+            _HEADER.unpack(fields)
+        if magic != MAGIC or version != FORMAT_VERSION or meta_offset + meta_bytes > self.size:
+            return None
+        if zlib.crc32(mm[meta_offset:meta_offset + meta_bytes]) != meta_crc:
+            return None
+        return SnapshotInfo(self.index, seq, step, generation, world_size, data_bytes)
+
+    def read_meta(self) -> tuple[Any, list[tuple[int, torch.dtype, tuple[int, ...]]]]:
+        assert self._mm is not None and self.info is not None
+        fields = _HEADER.unpack_from(self._mm, 0)
+        meta_offset, meta_bytes = fields[7], fields[8]
+        # Only bytes this job's own worker wrote into its node's private (0700) directory.
+        meta = pickle.loads(self._mm[meta_offset:meta_offset + meta_bytes])  # noqa: S301
+        return meta["skeleton"], meta["layout"]
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

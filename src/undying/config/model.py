@@ -1,0 +1,210 @@
+"""The job spec's model: every knob of a run with its range, and the values derived from them.
+
+Read in every process (the launcher/controller, the agent, the worker); each builds it through
+``undying.config.loading`` and then only reads it. Knob names follow MindCluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from undying.config.errors import allowed_strategy_list, spec_rule
+from undying.strategy_names import SPEC_STRATEGIES, StrategyName
+
+# What recover_strategy may list. A Literal of the enum's members (pydantic accepts their string
+# values) rather than the enum itself, so that job-restart, never listed, is an unknown strategy.
+SpecStrategy = Literal[SPEC_STRATEGIES]  # type: ignore[valid-type]
+STRATEGIES: tuple[StrategyName, ...] = SPEC_STRATEGIES
+
+
+def _reject_bool(value: Any) -> Any:
+    # Pydantic's lax mode reads True as 1; in a spec that is always a typo.
+    if isinstance(value, bool):
+        raise PydanticCustomError("number_type", "Input should be a number, not a boolean")
+    return value
+
+
+def _on_off_from_bool(value: Any) -> Any:
+    # YAML 1.1 reads bare on/off as booleans.
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
+class CheckpointSpec(BaseModel):
+    """Where and how often workers save. ``dir=None`` means ``RUN_DIR/checkpoints``; ``dir`` is a
+    local or shared-filesystem path, or an fsspec URL (``s3://``, ``gs://``, ``file://``, chained
+    ``simplecache::s3://``, ...) whose protocols fsspec knows; neither is reached here (the
+    saver finds out whether it can write, and whether the protocol's package is installed).
+
+    ``interval``: steps between T2 checkpoints (persisted in the background).
+    ``snapshot_interval``: steps between T1 snapshots into node shared memory (0: only at
+    T2 checkpoint steps). ``snapshot_slots``: T1 slots per rank, each the size of the rank's
+    state; with 2, while the persister holds one the other is rewritten each time (a torn write
+    falls back to the persisted step), with 3 a torn write falls back to the previous step.
+    ``overlap``: ``on`` copies the parameters and optimizer state of a snapshot in the
+    background, overlapping the next step's forward, backward and gradient sync (its optimizer
+    step waits for the copy); ``off`` copies everything at the step boundary; ``auto`` (the
+    default) is ``on`` for a device's (GPU's) state and ``off`` for CPU state, where the copy
+    competes with training for the same cores (measured: no gain, docs/benchmarks.md)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    dir: str | None = None
+    interval: int = Field(100, ge=1)
+    keep: int = Field(2, ge=1)
+    snapshot_interval: int = Field(1, ge=0)
+    snapshot_slots: int = Field(2, ge=2, le=8)
+    overlap: Literal["auto", "on", "off"] = "auto"
+
+    _reject_bool_numbers = field_validator("interval", "keep", "snapshot_interval", "snapshot_slots",
+                                           mode="before")(_reject_bool)
+    _on_off_from_yaml_bool = field_validator("overlap", mode="before")(_on_off_from_bool)
+
+    @field_validator("dir")
+    @classmethod
+    def _known_url_protocols(cls, value: str | None) -> str | None:
+        if value is None or "://" not in value:
+            return value
+        import fsspec  # only for URLs; a dependency of torch
+
+        available = fsspec.available_protocols()
+        # A chained URL ("simplecache::s3://bucket/ckpt") names one protocol per link.
+        protocols = [link.split("://", 1)[0] for link in value.split("::")]
+        unknown = [protocol for protocol in protocols if protocol not in available]
+        if unknown:
+            raise spec_rule(f"unknown fsspec protocol {unknown[0]!r}",
+                            f"a local path, or a URL of a protocol fsspec knows: {', '.join(sorted(available))}",
+                            value)
+        return value
+
+
+class JobSpec(BaseModel):
+    """One job's configuration, with every value in range and the cross-field rules holding:
+    non-exit strategies need ``process_recover``, ``heartbeat_timeout > heartbeat_interval``
+    and ``1 <= min_nodes <= nnodes``. It does not check that paths or URLs exist."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    process_recover: bool = False
+    recover_strategy: list[SpecStrategy] = Field(default_factory=lambda: [StrategyName.EXIT])
+    pod_rescheduling: Literal["on", "off"] = "off"
+    fault_scheduling: Literal["force", "grace", "off"] = "force"
+    grace_period: float = Field(900.0, gt=0)
+    wait_reschedule_timeout: int = Field(270, ge=30, le=270)
+    max_restarts: int = Field(32767, ge=0, le=32767)
+    monitor_interval: float = Field(5.0, gt=0, le=300)
+    comm_timeout: float = Field(30.0, gt=0)
+    heartbeat_interval: float = Field(1.0, gt=0)
+    heartbeat_timeout: float = Field(10.0, gt=0)
+    start_timeout: float = Field(300.0, gt=0)
+    # Seconds a live rank may go without committing a step before it counts as hung (None: off).
+    step_timeout: float | None = Field(None, gt=0)
+    node_return_timeout: float = Field(120.0, gt=0)
+    watchdog: Literal["on", "off", "detect-only"] = "on"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    compile_cache: str | None = None
+    warm_standby: bool = True  # each agent keeps a pre-started interpreter per rank: replacements, job restarts
+    # Elastic training: how a replica covers a lost replica's share of the global batch.
+    elastic_batch: Literal["accumulate", "grow"] = "accumulate"
+    # Every rank appends the sample indices of each committed step to RUN_DIR/samples/ (audits, tests).
+    sample_log: bool = False
+    nnodes: int = Field(1, ge=1)
+    min_nodes: int | None = None
+    nproc_per_node: int = Field(1, ge=1)
+
+    _reject_bool_numbers = field_validator(
+        "grace_period",
+        "wait_reschedule_timeout",
+        "max_restarts",
+        "monitor_interval",
+        "comm_timeout",
+        "heartbeat_interval",
+        "heartbeat_timeout",
+        "start_timeout",
+        "step_timeout",
+        "node_return_timeout",
+        "nnodes",
+        "min_nodes",
+        "nproc_per_node",
+        mode="before",
+    )(_reject_bool)
+    _on_off_from_yaml_bool = field_validator("pod_rescheduling", "watchdog", mode="before")(_on_off_from_bool)
+
+    @field_validator("fault_scheduling", mode="before")
+    @classmethod
+    def _off_from_yaml_false(cls, value: Any) -> Any:
+        return "off" if value is False else value
+
+    @field_validator("checkpoint", mode="before")
+    @classmethod
+    def _null_checkpoint_means_defaults(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    @field_validator("recover_strategy", mode="before")
+    @classmethod
+    def _split_comma_string(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",")] if value.strip() else []
+        return value
+
+    @field_validator("recover_strategy")
+    @classmethod
+    def _non_empty_without_duplicates(cls, strategies: list[StrategyName]) -> list[StrategyName]:
+        if not strategies:
+            raise spec_rule("empty list", allowed_strategy_list(), strategies)
+        seen: set[str] = set()
+        for index, name in enumerate(strategies):
+            if name in seen:
+                raise spec_rule(
+                    "duplicate strategy",
+                    "each strategy at most once",
+                    str(name),  # the user's spelling in the message, not the enum's repr
+                    field=f"recover_strategy[{index}]",
+                )
+            seen.add(name)
+        return strategies
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> JobSpec:
+        if not self.process_recover and self.process_level_strategies():
+            raise spec_rule(
+                "needs process_recover: true",
+                "exit alone, or process_recover: true",
+                [str(name) for name in self.recover_strategy],
+                field="recover_strategy",
+            )
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise spec_rule(
+                "must be greater than heartbeat_interval",
+                f"> heartbeat_interval ({self.heartbeat_interval})",
+                self.heartbeat_timeout,
+                field="heartbeat_timeout",
+            )
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
+            raise spec_rule("out of range", f"1..{self.nnodes} (nnodes)", self.min_nodes, field="min_nodes")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Number of worker processes when every node is present."""
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The fewest nodes elastic training may shrink to (``min_nodes``, else 1)."""
+        return self.min_nodes if self.min_nodes is not None else 1
+
+    def reschedule_wait(self) -> float:
+        """Seconds to wait for a lost node to come back before elastic training shrinks the job:
+        ``wait_reschedule_timeout``. The controller reads the wait only here, so fault tests can
+        shorten it below the 30 s floor in the controller's process (tests/short_reschedule.py)."""
+        return float(self.wait_reschedule_timeout)
+
+    def process_level_strategies(self) -> list[StrategyName]:
+        """The listed strategies other than ``exit``, in the order they are to be tried."""
+        return [name for name in self.recover_strategy if name != StrategyName.EXIT]

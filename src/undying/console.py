@@ -1,0 +1,69 @@
+"""What the user sees on the terminal while a job runs: the job's banner and its notable events.
+
+Runs in the ``undying run`` process, on the node whose controller leads (``launcher.py``
+and, for a failover job, ``ha_node.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from undying import events as ev
+from undying.controller.strategies import describe_chain, effective_chain, unbuilt_strategies
+from undying.events import Event
+from undying.launch_options import LaunchOptions
+
+if TYPE_CHECKING:
+    from undying.controller import Controller
+
+
+def print_event(event: Event) -> None:
+    """Console view of the events a user cares about while the job runs."""
+    where = " ".join(part for part in (
+        f"node {event.node}" if event.node is not None else "",
+        f"rank {event.rank}" if event.rank is not None else "",
+        f"step {event.step}" if event.step is not None else "",
+        f"gen {event.generation}" if event.generation is not None else "") if part)
+    stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+    details = event.details
+    text = {
+        ev.FAULT_DETECTED: lambda: f"FAULT {details.get('description')}",
+        ev.DECISION: lambda: f"decision: {details.get('strategy')} ({details.get('reason')})",
+        ev.GENERATION_START: lambda: f"generation started, world size {details.get('world_size')}",
+        ev.CHECKPOINT_LOAD: lambda: f"loaded checkpoint of step {event.step} from {details.get('source')}",
+        ev.CHECKPOINT_CORRUPT: lambda: f"skipped corrupt checkpoint {details.get('path')}: {details.get('reason')}",
+        ev.FIRST_STEP: lambda: f"training again (resumed from step {details.get('resumed_from')})",
+        ev.INJECTION: lambda: f"injecting {details.get('spec')}",
+        ev.AGENT_LOST: lambda: f"node lost: {details.get('why')}",
+        ev.AGENT_RESPAWNED: lambda: "agent respawned (simulated node rescheduled)",
+        ev.STANDBY_ADOPT: lambda: f"standby agent {details.get('spare')} takes the place of this node",
+        ev.ELASTIC_SHRINK: lambda: (f"elastic shrink: world {details.get('old_world_size')} -> "
+                                    f"{details.get('new_world_size')} (node(s) {details.get('dropped_nodes')} "
+                                    f"not back after {details.get('waited')} s)"),
+        ev.ELASTIC_GROW: lambda: (f"elastic grow: world {details.get('old_world_size')} -> "
+                                  f"{details.get('new_world_size')}"),
+        ev.JOB_END: lambda: f"job {details.get('outcome')}: {details.get('message')}",
+        ev.AUTH_REFUSED: lambda: f"refused a client without the job token ({details.get('client')})",
+    }.get(event.kind)
+    if text is not None and (event.kind != ev.CHECKPOINT_LOAD or event.rank == 0):
+        print(f"[undying {stamp}] {where}: {text()}", file=sys.stderr, flush=True)
+
+
+def emit_job_start(controller: Controller, options: LaunchOptions, address: str, store_port: int,
+                   job_id: str) -> None:
+    """Log the job's start (its shape and the strategies that will recover it); print its banner."""
+    spec = options.spec
+    chain = [strategy.name for strategy in effective_chain(spec)]
+    controller.emit(ev.JOB_START, details={
+        "nnodes": spec.nnodes, "nproc_per_node": spec.nproc_per_node, "world_size": spec.world_size,
+        "strategies": list(spec.recover_strategy), "effective_strategy": chain,
+        "unbuilt_strategies": unbuilt_strategies(spec), "max_restarts": spec.max_restarts,
+        "controller": address, "store_port": store_port, "command": options.command,
+        "job_id": job_id, "pid": os.getpid(), "failover": options.etcd is not None})
+    if not options.quiet:
+        print(f"[undying] job {job_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} worker(s), "
+              f"controller {address}, run dir {options.run_dir}", file=sys.stderr)
+        print(f"[undying] {describe_chain(spec)}; max_restarts {spec.max_restarts}", file=sys.stderr, flush=True)

@@ -1,0 +1,58 @@
+"""Every deadline the controller keeps, derived from the job spec in one place.
+
+Runs in the controller. All deadlines are measured on ``time.monotonic()`` (the job
+machine is handed the time; the shell reads the monotonic clock); wall time is used
+for event timestamps only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from undying.config import JobSpec
+
+# How long stopped workers may take to go before the restart goes ahead anyway.
+STOP_TIMEOUT = 30.0
+# How long agents have to pick up their exit order at the end of the job.
+EXIT_GRACE = 10.0
+# A worker's own report that its step failed waits this long for the cause to show up
+# (a dead peer's exit, a lost node), so the decision is made on the real fault.
+STEP_FAILED_GRACE = 0.5
+# After a controller failover: how much longer than one long poll a live agent may take to show up.
+UNCONFIRMED_GRACE = 4.0
+# Heartbeats are logged at most this often per rank.
+HEARTBEAT_LOG_EVERY = 0.5
+# The longest an agent's poll or a worker's check-in is held open.
+LONGEST_HOLD = 30.0
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds, each derived from the spec (or a fixed bound above)."""
+
+    agent_lost_after: float  # no poll from a confirmed agent for this long: its node is lost
+    unconfirmed_agent_lost_after: float  # after a failover: an agent not heard from since is lost
+    node_return: float  # waiting for every node, at the start and at a restart
+    recovery: float  # a process-level recovery (or the regroup of a grow) must form its generation
+    grow_start: float  # returned ranks must start before a grow is tried
+    heartbeat: float  # no heartbeat for this long: the rank hangs
+    start: float  # no first heartbeat for this long: the rank did not start
+    step: float | None  # the step-progress watchdog (None: off)
+    reschedule_wait: float  # a lost node's time to come back before an elastic shrink
+    stop: float = STOP_TIMEOUT
+    exit_grace: float = EXIT_GRACE
+    step_failed_grace: float = STEP_FAILED_GRACE
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> Deadlines:
+        return cls(
+            agent_lost_after=spec.monitor_interval * 2 + 5.0,
+            unconfirmed_agent_lost_after=spec.monitor_interval + UNCONFIRMED_GRACE,
+            node_return=spec.node_return_timeout,
+            recovery=spec.start_timeout + spec.comm_timeout,
+            grow_start=spec.start_timeout,
+            heartbeat=spec.heartbeat_timeout,
+            start=spec.start_timeout,
+            step=spec.step_timeout,
+            reschedule_wait=spec.reschedule_wait(),
+        )

@@ -1,0 +1,138 @@
+"""Fault detection: turns what agents and workers reported (or failed to report) into faults.
+
+Runs in the controller, inside the job machine. Sources: a worker's exit (agent poll or its
+immediate report), a lost agent (no poll, or the launcher saw its process end), missed
+heartbeats (a hang), a rank whose heartbeats go on but whose step does not move
+(``step_timeout``), no first heartbeat within ``start_timeout``, a rank that said it finished
+but does not exit, and a worker's own report that its step failed, held briefly so the
+decision is made on the real cause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from undying import events as ev
+from undying.controller.deadlines import Deadlines
+from undying.controller.membership import Membership, NodeRecord, RankRecord
+from undying.faults import Fault, FaultReason
+from undying.protocol import Phase, WorkerState, WorkerStatus
+
+Emit = Callable[..., None]
+
+
+class FaultDetector:
+    """Holds the faults seen and not yet acted on; ``find`` hands out the next one."""
+
+    def __init__(self, membership: Membership, deadlines: Deadlines, watchdog: str, emit: Emit) -> None:
+        self.membership = membership
+        self.deadlines = deadlines
+        self.watchdog = watchdog
+        self.emit = emit
+        self.pending: list[Fault] = []  # faults seen outside the per-rank scan (a lost node)
+        self.step_failures: list[tuple[float, Fault]] = []
+        self.reported_failures: set[tuple[int, int]] = set()  # (rank, generation) step failures seen
+
+    def clear(self) -> None:
+        self.pending.clear()
+        self.step_failures.clear()
+
+    def record_worker(self, node: NodeRecord, status: WorkerStatus, generation: int) -> None:
+        """An agent's report of one worker: an exit becomes the rank's exit code."""
+        record = self.membership.ranks.get(status.rank)
+        if record is None or status.generation != record.spawn_generation or record.exitcode is not None:
+            return
+        if status.state != WorkerState.EXITED:
+            return
+        record.exitcode = status.exitcode if status.exitcode is not None else -1
+        record.signal = status.signal
+        if record.exitcode != 0 and record.done:
+            # Training had finished and its result was written; only the teardown failed.
+            self.emit(ev.WORKER_EXIT, node=node.node, rank=status.rank, step=record.step, generation=generation,
+                      details={"exitcode": status.exitcode, "signal": status.signal, "after_done": True})
+            record.exitcode = 0
+            return
+        if record.exitcode == 0:
+            record.done = True
+        self.emit(ev.WORKER_EXIT, node=node.node, rank=status.rank, step=record.step, generation=generation,
+                  details={"exitcode": status.exitcode, "signal": status.signal})
+
+    def silent_agents(self, now: float) -> list[tuple[NodeRecord, str]]:
+        """Live agents not heard from for too long, with why."""
+        silent = []
+        for node in self.membership.nodes.values():
+            limit = self.deadlines.agent_lost_after if node.confirmed else self.deadlines.unconfirmed_agent_lost_after
+            if node.alive and not node.exit_delivered and now - node.last_seen > limit:
+                what = "no poll" if node.confirmed else "no poll since the controller failed over"
+                silent.append((node, f"{what} for {now - node.last_seen:.1f} s"))
+        return silent
+
+    def step_failed(self, now: float, fault: Fault, generation: int) -> None:
+        """A worker's own report that it could not complete its step (once per rank and generation)."""
+        assert fault.rank is not None
+        if (fault.rank, generation) not in self.reported_failures:
+            self.reported_failures.add((fault.rank, generation))
+            self.step_failures.append((now, fault))
+
+    def find(self, now: float, generation: int) -> Fault | None:
+        """The next fault to act on, if any."""
+        membership = self.membership
+        if any(n.alive and not n.confirmed and not n.standby for n in membership.nodes.values()):
+            # Just failed over: every fault now (a failed step, a silent rank) may be the old leader's
+            # node dying. Decide once each node has either polled here or been declared lost.
+            return None
+        if self.pending:
+            return self.pending.pop(0)
+        for record in membership.ranks.values():
+            if not membership.node_alive(record.node):
+                continue  # the node's agent_lost fault covers its ranks
+            fault = self._rank_fault(record, now, generation)
+            if fault is not None:
+                return fault
+        everyone_reported = len({fault.rank for _, fault in self.step_failures}) == len(membership.ranks)
+        if self.step_failures and (everyone_reported
+                                   or now - self.step_failures[0][0] >= self.deadlines.step_failed_grace):
+            _, fault = self.step_failures.pop(0)
+            self.step_failures.clear()
+            return fault
+        return None
+
+    def _rank_fault(self, record: RankRecord, now: float, generation: int) -> Fault | None:
+        where: dict[str, Any] = {"node": record.node, "rank": record.rank, "step": record.step}
+        if record.exitcode not in (None, 0):
+            return Fault(FaultReason.WORKER_EXIT, exitcode=record.exitcode, signal=record.signal, **where)
+        if record.exitcode == 0:
+            return None
+        if record.done:
+            # Said it finished but its process has not ended: stuck in teardown.
+            if record.done_at is not None and now - record.done_at > self.deadlines.stop:
+                return Fault(FaultReason.EXIT_TIMEOUT, **where)
+            return None
+        if record.last_heartbeat is None:
+            if now - record.started_at > self.deadlines.start:
+                return Fault(FaultReason.START_TIMEOUT, **where)
+            return None
+        hang = None
+        if now - record.last_heartbeat > self.deadlines.heartbeat:
+            hang = Fault(FaultReason.HEARTBEAT_MISSED, **where)
+        elif self._stalled(record, now):
+            # Alive (its heartbeat thread beats) but its training thread commits no step.
+            hang = Fault(FaultReason.STEP_STALLED, **where)
+        if hang is None or self.watchdog == "on":
+            return hang
+        self._note_unacted_hang(record, hang, generation)
+        return None
+
+    def _stalled(self, record: RankRecord, now: float) -> bool:
+        timeout = self.deadlines.step
+        # Only a rank still computing is stuck itself: its peers wait in the all-reduce ("syncing").
+        return (timeout is not None and record.last_progress is not None
+                and record.phase == Phase.COMPUTING and now - record.last_progress > timeout)
+
+    def _note_unacted_hang(self, record: RankRecord, fault: Fault, generation: int) -> None:
+        """watchdog off / detect-only: a hang is reported (once per stuck step), never acted on."""
+        if record.hang_reported_step != record.step:
+            record.hang_reported_step = record.step
+            self.emit(ev.HANG_SUSPECTED, node=record.node, rank=record.rank, step=record.step,
+                      generation=generation, details={"watchdog": self.watchdog, "description": fault.describe()})

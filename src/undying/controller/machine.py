@@ -1,0 +1,395 @@
+"""The job machine: the controller's every decision, as a pure state machine.
+
+Runs in the controller process, driven by the shell (``controller/core.py``) under its lock.
+It has no threads, sockets or clock of its own: each call hands it one observation (an agent's
+hello or poll, a heartbeat, a worker's event or check-in, a lost agent, time passing) with
+the monotonic time ``now``, and it answers with a reply and queues effects: events to log,
+orders for agents (handed out when they poll), nodes to kill (simulated nodes). The state
+it keeps is what a successor controller resumes from (``saved_state.py``).
+
+Loop (compare torchelastic's ``_invoke_run``): detect (``detection.py``) -> decide
+(``decide.py``, the chain in ``strategies/``) -> the chosen strategy executes and owns the
+recovery until it ends (``strategies/*.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from undying import events as ev
+from undying.config import JobSpec, SpecError, spec_differences, validate_job_spec
+from undying.controller import strategies
+from undying.controller.deadlines import HEARTBEAT_LOG_EVERY, Deadlines
+from undying.controller.detection import FaultDetector
+from undying.controller.membership import Membership, NodeRecord, RankRecord
+from undying.controller.recovery import ActiveRecovery, note_check_in, plan_for
+from undying.controller.state import EXIT_CANCELLED, EXIT_FAILED, EXIT_OK, JobState, check_transition
+from undying.events import Event
+from undying.faults import Fault, FaultReason
+from undying.inject import decode as decode_injections
+from undying.protocol import (
+    AgentHello,
+    AgentPoll,
+    Heartbeat,
+    HeartbeatReply,
+    HelloReply,
+    InjectionClaim,
+    Order,
+    OrderKind,
+    Phase,
+    Plan,
+    PlanAction,
+    RecoverRequest,
+    WorkerStatus,
+)
+from undying.strategy_names import StrategyName
+
+
+@dataclass
+class Effects:
+    """What a call asks the shell to do once it returns."""
+
+    events: list[Event] = field(default_factory=list)
+    kill_nodes: list[int] = field(default_factory=list)  # simulated nodes whose agent was declared lost
+
+
+class JobMachine:
+    """One job's membership, health, decisions and recoveries. Not thread-safe: the shell serialises calls."""
+
+    def __init__(self, spec: JobSpec, job_id: str, store_address: str, injections_text: str = "",
+                 now: float = 0.0, wall_offset: float = 0.0, deadlines: Deadlines | None = None) -> None:
+        self.spec = spec
+        self.deadlines = deadlines or Deadlines.from_spec(spec)
+        self.job_id = job_id
+        self.store_address = store_address
+        self.store_port = int(store_address.rsplit(":", 1)[1])
+        self.injections_text = injections_text
+        self.wall_offset = wall_offset  # wall time = monotonic + wall_offset (event times, saved state)
+        self.state = JobState.WAITING_FOR_NODES
+        self.generation = 0
+        self.abort_generation = 0
+        self.restart_count = 0
+        self.exit_code: int | None = None
+        self.message = ""
+        self.membership = Membership(spec.nnodes, spec.nproc_per_node)
+        self.detector = FaultDetector(self.membership, self.deadlines, spec.watchdog, self.emit)
+        self.recovery: ActiveRecovery | None = None
+        self.pending_grow: ActiveRecovery | None = None  # returned ranks starting while the survivors train
+        self.grow_refused: set[tuple[int, int]] = set()  # (node, agent pid) already tried for a grow
+        self.plans: dict[int, Plan] = {}  # generation -> the plan that formed it
+        self.claimed_injections: set[int] = set()
+        self.node_down_until: dict[int, float] = {}  # injected `node:...:down=D`: held down until
+        self.faults_total: dict[str, int] = {}
+        self.retries: dict[int, int] = {}  # step -> in-place retries
+        self.backup_store = ""  # failover jobs: another node's store that keeps a second RNG mirror
+        self.rng_stores: list[str] = []  # after a takeover: stores that may hold mirrors of earlier steps
+        self.now = now  # the time of the observation being handled
+        self.started = now
+        self.state_deadline = now + self.deadlines.node_return
+        self.finished_at: float | None = None
+        self.effects = Effects()
+
+    # ---------------------------------------------------------------- effects
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        """Log an event, stamped with the time of the observation being handled."""
+        self.effects.events.append(Event(kind=kind, time=self.now + self.wall_offset, **fields))
+
+    def take_effects(self) -> Effects:
+        effects, self.effects = self.effects, Effects()
+        return effects
+
+    def count_fault(self, reason: str) -> None:
+        self.faults_total[reason] = self.faults_total.get(reason, 0) + 1
+
+    # ---------------------------------------------------------------- agents
+
+    def hello(self, now: float, hello: AgentHello) -> HelloReply:
+        self.now = now
+        refused = self._refusal(hello)
+        if refused:
+            return HelloReply(self.job_id, self.store_port, False, refused)
+        nodes = self.membership.nodes
+        previous = nodes.get(hello.node)
+        if not hello.standby and previous is not None and previous.alive and hello.node in self.membership.adopted_by \
+                and previous.pid != hello.pid:
+            return self._returned_as_spare(hello, now)
+        if previous is not None and previous.alive:
+            # A node's agent came back before anyone saw it go: its workers are gone all the same.
+            self.lose_node(previous, "agent said hello again (restarted)", now, kill=False)
+        nodes[hello.node] = NodeRecord(hello.node, hello.pid, hello.hostname, now, standby=hello.standby)
+        self.emit(ev.AGENT_REGISTERED, node=hello.node,
+                  details={"pid": hello.pid, "host": hello.hostname, "standby": hello.standby})
+        return HelloReply(self.job_id, self.store_port)
+
+    def _refusal(self, hello: AgentHello) -> str:
+        spec = self.spec
+        if hello.standby and hello.node < spec.nnodes:
+            return f"a standby agent needs a node id >= nnodes ({spec.nnodes}), got {hello.node}"
+        if not hello.standby and not 0 <= hello.node < spec.nnodes:
+            return f"node {hello.node} >= nnodes"
+        if hello.nproc != spec.nproc_per_node:
+            return "nproc_per_node differs from the job's"
+        if hello.spec:  # the job spec travels with the job: a node started with another one is refused
+            try:
+                differing = spec_differences(spec, validate_job_spec(hello.spec))
+            except SpecError as error:
+                return f"the agent's job spec is invalid: {error}"
+            if differing:
+                return f"the agent's job spec differs from the controller's in: {', '.join(differing)}"
+        if self.state.terminal:
+            return f"job {self.state.value}"
+        return ""
+
+    def _returned_as_spare(self, hello: AgentHello, now: float) -> HelloReply:
+        """A node's agent is back while the spare that adopted its place serves its ranks: it
+        joins as a spare (it holds no ranks: its workers were replaced), not as the node again."""
+        spare_id = self.membership.reserve_spare_id()
+        self.membership.nodes[spare_id] = NodeRecord(spare_id, hello.pid, hello.hostname, now, standby=True)
+        self.emit(ev.AGENT_REGISTERED, node=spare_id, details={
+            "pid": hello.pid, "host": hello.hostname, "standby": True, "returned_node": hello.node,
+            "served_by": self.membership.adopted_by[hello.node]})
+        return HelloReply(self.job_id, self.store_port, node=spare_id)
+
+    def agent_report(self, now: float, poll: AgentPoll) -> NodeRecord | None:
+        """An agent reports its workers (a poll, or its immediate report of an exit). Returns its node's
+        record, or None when the agent does not hold that node's place (it must say hello)."""
+        self.now = now
+        node = self.membership.nodes.get(poll.node)
+        if node is None or not node.alive or not node.polled_by_owner(poll.pid, poll.hostname):
+            return None
+        node.last_seen = now
+        node.confirmed = True
+        for raw in poll.workers:
+            status = WorkerStatus.from_dict(raw)
+            node.workers[status.rank] = status
+            if not self.state.terminal:  # once the job has ended, its workers being stopped is no news
+                self.detector.record_worker(node, status, self.generation)
+        return node
+
+    def take_order(self, now: float, node: NodeRecord) -> Order:
+        """The order a polling agent leaves with (the shell held the poll open until one was queued)."""
+        self.now = now
+        node.last_seen = now
+        if not node.alive:
+            return Order(kind=OrderKind.NONE, reason="hello")
+        order = node.orders.popleft() if node.orders else Order()
+        if order.kind == OrderKind.EXIT:
+            node.exit_delivered = True
+        if order.kind == OrderKind.ADOPT and self.membership.nodes.get(node.node) is node:
+            del self.membership.nodes[node.node]  # it says hello again as the node it adopts
+        return order
+
+    def agent_exited(self, now: float, agent_id: int, returncode: int | None) -> None:
+        """The launcher saw a local agent process end (a simulated node's death)."""
+        self.now = now
+        membership = self.membership
+        adopted = [node for node, spare in membership.adopted_by.items() if spare == agent_id]
+        node = membership.nodes.get(adopted[0] if adopted and agent_id not in membership.nodes else agent_id)
+        if node is not None and node.alive and not node.exit_delivered:
+            self.lose_node(node, f"agent process ended (returncode {returncode})", now)
+
+    def lose_node(self, node: NodeRecord, why: str, now: float, kill: bool = True) -> None:
+        node.alive = False
+        node.orders.clear()
+        self.emit(ev.AGENT_LOST, node=node.node, generation=self.generation,
+                  details={"why": why, "standby": node.standby})
+        if node.standby:
+            return  # a spare held no ranks: nothing to recover
+        if self.state in (JobState.RUNNING, JobState.RECOVERING):
+            self.detector.pending.append(Fault(FaultReason.AGENT_LOST, node=node.node,
+                                               step=self.membership.committed_step()))
+        if kill and not self.state.terminal:
+            self.effects.kill_nodes.append(node.node)
+
+    # ---------------------------------------------------------------- workers
+
+    def heartbeat(self, now: float, beat: Heartbeat) -> HeartbeatReply:
+        self.now = now
+        reply = HeartbeatReply(abort_generation=self.abort_generation, mirror_store=self.backup_store)
+        record = self.membership.ranks.get(beat.rank)
+        if record is None or beat.generation < record.spawn_generation or beat.generation > self.generation:
+            return reply
+        record.last_heartbeat = now
+        if beat.step != record.step:
+            record.last_progress = now  # armed from a rank's first committed step on
+        record.step = beat.step
+        record.step_known = True
+        record.phase = beat.phase
+        record.pid = beat.pid
+        if beat.phase == Phase.DONE and not record.done:
+            record.done = True
+            record.done_at = now
+        if record.logged_step != beat.step and now - record.last_logged >= HEARTBEAT_LOG_EVERY:
+            record.last_logged = now
+            record.logged_step = beat.step
+            details: dict[str, Any] = {"phase": beat.phase}
+            if beat.loss is not None:
+                details["loss"] = beat.loss
+            self.emit(ev.HEARTBEAT, node=beat.node, rank=beat.rank, step=beat.step,
+                      generation=beat.generation, details=details)
+        return reply
+
+    def worker_event(self, now: float, event: Event) -> None:
+        self.now = now
+        record = self.membership.ranks.get(event.rank) if event.rank is not None else None
+        if event.kind == ev.WORKER_DONE and record is not None:
+            if not record.done:
+                record.done_at = now
+            record.done = True
+            record.step = event.step or record.step
+            record.step_known = record.step_known or bool(event.step)
+        self.effects.events.append(event)
+        if event.kind == ev.DUMP_COMMITTED and self.recovery is not None:
+            strategies.executor_for(self.recovery.strategy).on_worker_event(self, event, now)
+
+    def check_in(self, now: float, request: RecoverRequest) -> Plan:
+        """A worker whose step failed (or a replacement, on joining) checks in; WAIT: ask again."""
+        self.now = now
+        record = self.membership.ranks.get(request.rank)
+        if record is not None and record.pid is not None and request.pid != record.pid \
+                and record.spawn_generation > request.generation:
+            # An old process of a rank that was replaced meanwhile (its node froze and woke up).
+            return Plan(action=PlanAction.EXIT, reason=f"rank {request.rank} is served by process {record.pid} now")
+        note_check_in(self, now, request, record)
+        return plan_for(self, request)
+
+    def claim_injection(self, now: float, claim: InjectionClaim) -> bool:
+        self.now = now
+        record = self.membership.ranks.get(claim.rank)
+        stale = record is None or claim.generation < record.spawn_generation
+        if claim.index in self.claimed_injections or stale:
+            return False
+        self.claimed_injections.add(claim.index)
+        injection = next((i for i in decode_injections(self.injections_text) if i.index == claim.index), None)
+        if injection is not None and injection.kind == "node" and injection.down is not None:
+            self.node_down_until[claim.node] = now + injection.down
+        return True
+
+    def node_down_remaining(self, now: float, node: int) -> float:
+        """Seconds an injected node fault still keeps ``node`` from being rescheduled."""
+        return max(0.0, self.node_down_until.get(node, 0.0) - now)
+
+    def cancel(self, now: float, why: str) -> None:
+        self.now = now
+        if not self.state.terminal:
+            self.finish(JobState.CANCELLED, EXIT_CANCELLED, why, now)
+
+    # ---------------------------------------------------------------- time passing
+
+    def tick(self, now: float) -> None:
+        self.now = now
+        if self.state.terminal:
+            return
+        for node, why in self.detector.silent_agents(now):
+            self.lose_node(node, why, now)
+        if self.state is JobState.WAITING_FOR_NODES:
+            if self.membership.all_nodes_alive():
+                self.start_generation(now)
+            elif now > self.state_deadline:
+                self.finish(JobState.FAILED, EXIT_FAILED, self.missing_nodes_message("start"), now)
+        elif self.state is JobState.RUNNING:
+            fault = self.detector.find(now, self.generation)
+            if fault is not None:
+                strategies.handle_fault(self, fault, now)
+            elif self.membership.ranks and all(r.done and r.exitcode == 0 for r in self.membership.ranks.values()):
+                self.finish(JobState.SUCCEEDED, EXIT_OK, f"finished at step {self.membership.committed_step()}", now)
+            else:
+                strategies.ELASTIC_EXECUTOR.grow_if_nodes_returned(self, now)
+        elif self.state is JobState.RECOVERING:
+            assert self.recovery is not None
+            strategies.executor_for(self.recovery.strategy).progress(self, now)
+        elif self.state in (JobState.STOPPING, JobState.RESTARTING):
+            strategies.JOB_RESTART_EXECUTOR.progress(self, now)
+
+    def all_agents_gone(self, now: float) -> bool:
+        """The job has ended and every agent took its exit order (or the grace ran out)."""
+        assert self.finished_at is not None
+        if now - self.finished_at > self.deadlines.exit_grace:
+            return True
+        return all(node.exit_delivered or not node.alive for node in self.membership.nodes.values())
+
+    # ---------------------------------------------------------------- generations (used by the strategies)
+
+    def act_on(self, fault: Fault, now: float, excluded: frozenset[StrategyName] = frozenset()) -> None:
+        """Let the chain decide again (a recovery failed: without the strategies in ``excluded``)."""
+        strategies.act_on(self, fault, now, excluded)
+
+    def transition(self, target: JobState) -> None:
+        check_transition(self.state, target)
+        self.state = target
+
+    def start_generation(self, now: float) -> None:
+        self.generation += 1
+        self.detector.clear()
+        membership = self.membership
+        world_size = self.spec.world_size
+        membership.ranks = {}
+        membership.members = list(range(world_size))
+        for node in sorted(membership.nodes.values(), key=lambda n: n.node):
+            if not node.alive or node.standby:
+                continue
+            ranks = membership.ranks_of(node.node)
+            for rank in ranks:
+                membership.ranks[rank] = RankRecord(rank, node.node, self.generation, now)
+            node.orders.append(Order(kind=OrderKind.START, generation=self.generation, ranks=ranks,
+                                     world_size=world_size, store_port=self.store_port,
+                                     restart_count=self.restart_count))
+        previous = self.state
+        self.transition(JobState.RUNNING)
+        self.emit(ev.GENERATION_START, generation=self.generation,
+                  details={"world_size": world_size, "restart_count": self.restart_count})
+        if previous is JobState.RESTARTING:
+            self.emit(ev.RESTART_END, generation=self.generation, details={"restart_count": self.restart_count})
+
+    def finish(self, state: JobState, exit_code: int, message: str, now: float) -> None:
+        self.transition(state)
+        self.exit_code = exit_code
+        self.message = message
+        self.finished_at = now
+        self.recovery = None
+        self.order_all(Order(kind=OrderKind.EXIT, generation=self.generation, reason=message))
+        self.emit(ev.JOB_END, generation=self.generation, step=self.membership.committed_step(),
+                  details={"outcome": state.value, "exit_code": exit_code, "message": message,
+                           "restarts": self.restart_count})
+
+    def order_all(self, order: Order) -> None:
+        for node in self.membership.nodes.values():
+            if node.alive:
+                node.orders.clear()
+                node.orders.append(order)
+
+    def replace(self, node: int, ranks: list[int], now: float) -> None:
+        """Order ``node``'s agent to restart ``ranks`` as replacements in the current generation."""
+        for rank in ranks:
+            self.membership.ranks[rank] = RankRecord(rank, node, self.generation, now)
+        self.order_replace(node, ranks, self.generation, now)
+
+    def order_replace(self, node: int, ranks: list[int], generation: int, now: float, **details: Any) -> None:
+        """Queue ``node``'s order to start ``ranks`` as newcomers of ``generation``."""
+        self.membership.nodes[node].orders.append(Order(
+            kind=OrderKind.REPLACE, generation=generation, ranks=ranks, world_size=self.spec.world_size,
+            store_port=self.store_port, restart_count=self.restart_count))
+        self.emit(ev.REPLACE, node=node, generation=generation, details={"ranks": ranks, **details})
+
+    def adopt_spares_for(self, nodes: set[int], now: float) -> None:
+        """Order an idle spare agent to take the place of each node in ``nodes`` that is not alive
+        (pod-level rescheduling onto a standby node: ``undying run --standby``)."""
+        membership = self.membership
+        for lost in sorted(nodes):
+            if membership.node_alive(lost) or membership.being_adopted(lost):
+                continue
+            spare = membership.idle_spare()
+            if spare is None:
+                return
+            spare.adopting = lost
+            membership.adopted_by[lost] = spare.node
+            spare.orders.append(Order(kind=OrderKind.ADOPT, node=lost, generation=self.generation,
+                                      reason=f"take the place of node {lost}"))
+            self.emit(ev.STANDBY_ADOPT, node=lost, generation=self.generation,
+                      details={"spare": spare.node, "host": spare.hostname})
+
+    def missing_nodes_message(self, phase: str) -> str:
+        return (f"node(s) {self.membership.missing_nodes()} did not join within node_return_timeout "
+                f"({self.spec.node_return_timeout:g} s) at {phase}")

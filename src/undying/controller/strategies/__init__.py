@@ -1,0 +1,128 @@
+"""The recovery chain: which strategy handles a fault, and the executors that carry each one out.
+
+Runs in the controller, inside the job machine. MindCluster's order is retry ->
+recover-in-place -> recover -> elastic-training -> dump -> exit, restricted to what the job
+enabled; job-level restart (all workers, from the newest verified checkpoint) is the fallback
+under all of them, bounded by ``max_restarts``. Each strategy is one executor
+(``base.Executor``): ``process.py`` (retry, recover-in-place, recover), ``elastic.py``,
+``dump.py``, ``job_restart.py`` (job restart, exit).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from undying import events as ev
+from undying.config import JobSpec
+from undying.controller.strategies.base import Attempt, Decision, Executor, RecoveryContext, strategy_enabled
+from undying.controller.strategies.dump import Dump
+from undying.controller.strategies.elastic import Elastic
+from undying.controller.strategies.job_restart import Exit, JobRestart
+from undying.controller.strategies.process import Recover, RecoverInPlace, Retry
+from undying.faults import PROCESS_FAULTS, Fault, FaultReason
+from undying.protocol import Phase
+from undying.strategy_names import CHAIN_ORDER, StrategyName
+
+if TYPE_CHECKING:
+    from undying.controller.machine import JobMachine
+
+__all__ = ["BUILT", "Attempt", "Decision", "Executor", "RecoveryContext", "act_on", "decide", "describe_chain",
+           "effective_chain", "executor_for", "handle_fault", "unbuilt_strategies"]
+
+ELASTIC_EXECUTOR = Elastic()
+JOB_RESTART_EXECUTOR = JobRestart()
+EXIT_EXECUTOR = Exit()
+# Strategies this version carries out. The others are validated and reported, then skipped.
+BUILT: dict[StrategyName, Executor] = {
+    StrategyName.RETRY: Retry(), StrategyName.RECOVER_IN_PLACE: RecoverInPlace(), StrategyName.RECOVER: Recover(),
+    StrategyName.ELASTIC: ELASTIC_EXECUTOR, StrategyName.DUMP: Dump(),
+}
+_EVERY: dict[StrategyName, Executor] = {**BUILT, StrategyName.JOB_RESTART: JOB_RESTART_EXECUTOR,
+                                        StrategyName.EXIT: EXIT_EXECUTOR}
+
+
+def executor_for(name: str) -> Executor:
+    return _EVERY[StrategyName(name)]
+
+
+def effective_chain(spec: JobSpec) -> list[Executor]:
+    """The strategies the controller will actually try, in order."""
+    chain = [BUILT[name] for name in CHAIN_ORDER if name in BUILT and strategy_enabled(spec, name)]
+    return [*chain, JOB_RESTART_EXECUTOR, EXIT_EXECUTOR]
+
+
+def unbuilt_strategies(spec: JobSpec) -> list[str]:
+    return [name for name in spec.process_level_strategies() if name not in BUILT]
+
+
+def describe_chain(spec: JobSpec) -> str:
+    """One line for the start banner: what was asked and what will be used."""
+    used = " -> ".join(strategy.name for strategy in effective_chain(spec))
+    missing = unbuilt_strategies(spec)
+    note = f" ({', '.join(missing)}: not built in this version, skipped)" if missing else ""
+    return f"recovery: {used}{note}"
+
+
+def decide(fault: Fault, context: RecoveryContext) -> Decision:
+    """Walk the chain; the first strategy that applies wins."""
+    refusals = []
+    for strategy in effective_chain(context.spec):
+        if strategy.name in context.excluded:
+            refusals.append(f"{strategy.name}: already failed")
+            continue
+        if strategy.needs_committed_survivors and context.survivors_restoring:
+            refusals.append(f"{strategy.name}: survivors {sorted(context.survivors_restoring)} still restoring")
+            continue
+        why_not = strategy.applies(fault, context)
+        if why_not is None:
+            reason = "; ".join(refusals) if refusals else fault.describe()
+            return Decision(strategy.name, reason)
+        refusals.append(f"{strategy.name}: {why_not}")
+    raise AssertionError("Exit always applies")
+
+
+def handle_fault(job: JobMachine, fault: Fault, now: float) -> None:
+    """A fault seen while the generation trains: log it, then let the chain act on it."""
+    job.count_fault(fault.reason)
+    job.pending_grow = None  # its starting ranks are told to exit when they ask for a plan
+    job.detector.step_failures.clear()
+    job.emit(ev.FAULT_DETECTED, node=fault.node, rank=fault.rank, step=fault.step, generation=job.generation,
+             details={"reason": fault.reason, "exitcode": fault.exitcode, "signal": fault.signal,
+                      "description": fault.describe(), "detail": fault.detail})
+    act_on(job, fault, now)
+
+
+def act_on(job: JobMachine, fault: Fault, now: float, excluded: frozenset[StrategyName] = frozenset()) -> None:
+    """Decide which strategy handles ``fault`` (skipping ``excluded``) and start it."""
+    lost = _lost_ranks(job, fault)
+    step = job.membership.committed_step()
+    decision = decide(fault, _context(job, lost, excluded, step))
+    job.emit(ev.DECISION, generation=job.generation, step=fault.step,
+             details={"strategy": decision.strategy, "reason": decision.reason,
+                      "restart_count": job.restart_count, "max_restarts": job.spec.max_restarts,
+                      "lost_ranks": sorted(lost)})
+    attempt = Attempt(fault, frozenset(lost), excluded, decision.reason)
+    executor_for(decision.strategy).start(job, attempt, now)
+
+
+def _lost_ranks(job: JobMachine, fault: Fault) -> set[int]:
+    membership = job.membership
+    extra: set[int] = set()
+    if fault.reason == FaultReason.AGENT_LOST and fault.node is not None:
+        extra |= set(membership.ranks_of(fault.node))
+    if fault.reason in PROCESS_FAULTS and fault.rank is not None:
+        extra.add(fault.rank)
+    return membership.lost_ranks(extra)
+
+
+def _context(job: JobMachine, lost_ranks: set[int], excluded: frozenset[StrategyName], step: int) -> RecoveryContext:
+    membership = job.membership
+    lost_nodes = {membership.ranks[rank].node for rank in lost_ranks if rank in membership.ranks}
+    restoring = {rank for rank, record in membership.ranks.items()
+                 if rank not in lost_ranks and record.phase == Phase.STARTING
+                 and record.spawn_generation == job.generation and job.generation not in job.plans}
+    return RecoveryContext(job.spec, job.restart_count, frozenset(membership.alive_nodes()),
+                           frozenset(lost_ranks), job.retries.get(step, 0), frozenset(excluded),
+                           world_size=len(membership.members),
+                           lost_nodes=frozenset(node for node in lost_nodes if not membership.node_alive(node)),
+                           survivors_restoring=frozenset(restoring))

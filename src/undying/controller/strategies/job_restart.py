@@ -1,0 +1,97 @@
+"""Job-level restart and exit: the fallbacks under every process-level strategy.
+
+Runs in the controller, inside the job machine. A restart stops every worker of the
+generation, waits (up to ``node_return_timeout``) for every node's agent, adopting spares
+for lost nodes, and starts the next generation from the newest verified checkpoint (in
+node memory or storage); it counts against ``max_restarts``. Exit ends the job as failed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from undying import events as ev
+from undying.controller.deadlines import Deadlines
+from undying.controller.state import EXIT_FAILED, JobState
+from undying.controller.strategies.base import Attempt, RecoveryContext, within_budget
+from undying.events import Event
+from undying.faults import Fault
+from undying.protocol import Order, OrderKind
+from undying.strategy_names import StrategyName
+
+if TYPE_CHECKING:
+    from undying.controller.machine import JobMachine
+
+
+def begin_job_restart(job: JobMachine, why: str, now: float, count: bool = True) -> None:
+    """Stop every worker; the next generation starts once they are gone and every node is back."""
+    if count:
+        job.restart_count += 1
+    job.recovery = None
+    job.abort_generation = job.generation
+    job.emit(ev.RESTART_BEGIN, generation=job.generation, details={"restart_count": job.restart_count, "fault": why})
+    job.order_all(Order(kind=OrderKind.STOP, generation=job.generation, reason=why))
+    job.transition(JobState.STOPPING)
+    job.state_deadline = now + job.deadlines.stop
+
+
+class JobRestart:
+    """Restart every worker on every node from the newest verified checkpoint."""
+
+    name = StrategyName.JOB_RESTART
+    needs_committed_survivors = False
+
+    def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
+        return within_budget(context)
+
+    def start(self, job: JobMachine, attempt: Attempt, now: float) -> None:
+        begin_job_restart(job, attempt.fault.describe(), now)
+
+    def progress(self, job: JobMachine, now: float) -> None:
+        membership = job.membership
+        if job.state is JobState.STOPPING:
+            still_running = [n.node for n in membership.nodes.values() if n.alive and n.running_workers()]
+            if not still_running or now > job.state_deadline:
+                job.transition(JobState.RESTARTING)
+                job.state_deadline = now + job.deadlines.node_return
+        elif job.state is JobState.RESTARTING:
+            job.adopt_spares_for(set(range(job.spec.nnodes)), now)
+            if membership.all_nodes_alive():
+                job.start_generation(now)
+            elif now > job.state_deadline:
+                job.finish(JobState.FAILED, EXIT_FAILED, job.missing_nodes_message("restart"), now)
+
+    def on_worker_event(self, job: JobMachine, event: Event, now: float) -> None:
+        return None
+
+    def deadline(self, deadlines: Deadlines) -> float:
+        return deadlines.stop + deadlines.node_return
+
+    def fallback(self) -> frozenset[StrategyName]:
+        return frozenset({StrategyName.JOB_RESTART})
+
+
+class Exit:
+    """Stop the job with a non-zero exit."""
+
+    name = StrategyName.EXIT
+    needs_committed_survivors = False
+
+    def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
+        return None
+
+    def start(self, job: JobMachine, attempt: Attempt, now: float) -> None:
+        message = f"{attempt.fault.describe()}; no recovery left: {attempt.reason}"
+        job.finish(JobState.FAILED, EXIT_FAILED, message, now)
+
+    def progress(self, job: JobMachine, now: float) -> None:
+        return None
+
+    def on_worker_event(self, job: JobMachine, event: Event, now: float) -> None:
+        return None
+
+    def deadline(self, deadlines: Deadlines) -> float:
+        return 0.0
+
+    def fallback(self) -> frozenset[StrategyName]:
+        return frozenset()

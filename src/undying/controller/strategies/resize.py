@@ -1,0 +1,108 @@
+"""Changing the world size of a running job: shrink (drop nodes that did not come back) and grow.
+
+Runs in the controller, inside the job machine. A shrink happens inside a recovery whose
+awaited nodes missed ``wait_reschedule_timeout``: their ranks leave the new generation.
+A grow starts the returned ranks first while the survivors train on, and only once every
+one of them has checked in ends the running generation (at the survivors' next step
+boundary) and regroups, so the survivors never wait for a cold start.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from undying import events as ev
+from undying.controller.membership import RankRecord
+from undying.controller.recovery import ActiveRecovery
+from undying.controller.state import JobState
+from undying.controller.strategies.base import strategy_enabled
+from undying.faults import Fault, FaultReason
+from undying.strategy_names import StrategyName
+
+if TYPE_CHECKING:
+    from undying.controller.machine import JobMachine
+
+
+def shrink(job: JobMachine, recovery: ActiveRecovery, now: float) -> str | None:
+    """Drop the nodes that did not come back from the recovery; why not, if that leaves too few."""
+    membership = job.membership
+    dropped_nodes = sorted(recovery.awaited_nodes)
+    dropped = {rank for rank in recovery.members if membership.ranks[rank].node in recovery.awaited_nodes}
+    members = [rank for rank in recovery.members if rank not in dropped]
+    nodes_left = {membership.ranks[rank].node for rank in members}
+    fewest = job.spec.fewest_nodes
+    if len(nodes_left) < fewest or not recovery.survivors:
+        return (f"elastic-training: {len(nodes_left)} node(s) left, below min_nodes ({fewest})"
+                if recovery.survivors else "elastic-training: no healthy replica left")
+    old_world = len(recovery.members)
+    recovery.members = members
+    recovery.newcomers -= dropped
+    recovery.newcomers_ready -= dropped
+    recovery.awaited_nodes.clear()
+    recovery.strategy = StrategyName.ELASTIC
+    recovery.deadline = now + job.deadlines.recovery
+    for rank in dropped:
+        membership.ranks.pop(rank, None)
+    job.emit(ev.ELASTIC_SHRINK, generation=recovery.generation, step=recovery.fault.step,
+             details={"old_world_size": old_world, "new_world_size": len(members),
+                      "dropped_nodes": dropped_nodes, "dropped_ranks": sorted(dropped),
+                      "waited": round(now - recovery.started, 3)})
+    return None
+
+
+def grow_if_nodes_returned(job: JobMachine, now: float) -> None:
+    """Elastic grow-back: a node dropped by a shrink is alive again; bring its ranks back in."""
+    membership = job.membership
+    if len(membership.members) >= job.spec.world_size or not strategy_enabled(job.spec, StrategyName.ELASTIC):
+        return
+    pending = job.pending_grow
+    if pending is not None:
+        if pending.newcomers <= pending.newcomers_ready:
+            _begin_grow(job, pending, now)
+        elif now > pending.deadline:
+            job.pending_grow = None
+            for node in {membership.node_of(rank) for rank in pending.newcomers}:
+                if node in membership.nodes:  # this agent incarnation is not asked again
+                    job.grow_refused.add((node, membership.nodes[node].pid))
+            job.emit(ev.RECOVERY_FAILED, generation=job.generation,
+                     details={"strategy": StrategyName.ELASTIC, "grow": True, "why": "returned ranks did not start "
+                              f"within start_timeout ({job.spec.start_timeout:g} s): "
+                              f"{sorted(pending.newcomers - pending.newcomers_ready)}"})
+        return
+    members = set(membership.members)
+    dropped = {node for node in range(job.spec.nnodes) if not set(membership.ranks_of(node)) & members}
+    returned = sorted(node for node in dropped & membership.alive_nodes()
+                      if (node, membership.nodes[node].pid) not in job.grow_refused)
+    if not returned:
+        # A spare that joined since the shrink takes a dropped node's place (it says hello as it).
+        job.adopt_spares_for(dropped, now)
+        return
+    if any(record.done for record in membership.ranks.values()):
+        return
+    newcomers = {rank for node in returned for rank in membership.ranks_of(node)}
+    pending = ActiveRecovery(StrategyName.ELASTIC,
+                             Fault(FaultReason.NODE_RETURNED, node=returned[0], step=membership.committed_step()),
+                             job.generation, job.generation + 1, sorted(members | newcomers),
+                             survivors=set(members), newcomers=newcomers, started=now, grow=True,
+                             deadline=now + job.deadlines.grow_start)
+    job.pending_grow = pending
+    for node in returned:
+        job.order_replace(node, membership.ranks_of(node), pending.generation, now, grow=True)
+
+
+def _begin_grow(job: JobMachine, pending: ActiveRecovery, now: float) -> None:
+    """Every returned rank is up: end the running generation and regroup with them."""
+    membership = job.membership
+    job.pending_grow = None
+    old_generation = job.generation
+    job.generation = pending.generation
+    job.abort_generation = old_generation  # survivors leave at their next step boundary and check in
+    for rank in sorted(pending.newcomers):
+        membership.ranks[rank] = RankRecord(rank, membership.node_of(rank), pending.generation, now)
+    pending.deadline = now + job.deadlines.recovery
+    job.recovery = pending
+    job.transition(JobState.RECOVERING)
+    job.emit(ev.RECOVERY_BEGIN, generation=job.generation, step=membership.committed_step(),
+             details={"strategy": StrategyName.ELASTIC, "grow": True, "old_generation": old_generation,
+                      "survivors": sorted(pending.survivors), "newcomers": sorted(pending.newcomers),
+                      "newcomers_started_in": round(now - pending.started, 3)})

@@ -1,0 +1,33 @@
+"""What ``undying run`` was asked to do: the job spec, the worker command and this node's part.
+
+Runs in the ``undying run`` process. Built by the CLI and read by the launcher
+(``launcher.py``) and, for a failover job, by the node's candidate (``ha_node.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from undying.config import JobSpec
+
+
+@dataclass
+class LaunchOptions:
+    """One ``undying run`` invocation, as the CLI parsed and checked it."""
+
+    spec: JobSpec
+    command: list[str]  # the worker command: python SCRIPT ARGS
+    run_dir: Path
+    node_rank: int | None = None  # None: simulate every node here
+    controller_address: str | None = None  # host:port to join (node_rank > 0) or to bind (node 0)
+    controller_bind: str = "127.0.0.1"
+    token: str | None = None
+    injections_text: str = ""
+    respawn_lost_nodes: bool = True
+    standby_agents: int = 0  # simulated spare nodes (local); remote: this agent is a spare
+    quiet: bool = False
+    extra_env: dict[str, str] = field(default_factory=dict)
+    etcd: str | None = None  # host:port: controller failover (every node a candidate; ha_node.py)
+    job_name: str | None = None  # the job's key prefix in etcd
+    lease_ttl: int = 5  # seconds a dead leader keeps its lease (how long a failover waits)

@@ -1,0 +1,65 @@
+"""Where this worker's injected faults fire: a training step, a recovery phase, or the persister.
+
+Runs in the worker. Each injection fires at most once per job: before firing, the worker claims
+it from the controller and logs it (an ``injection`` event), so the log shows the cause before the
+fault. The runtime, the recovery client and the checkpoint engine each ask for their own point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from undying import events as ev
+from undying.inject import Injection, fire
+from undying.runtime.reporter import Reporter
+
+STEP = "step"  # the start of a training step (or, for ``raise``, inside its body)
+RECOVERY = "recovery"  # while regrouping after a fault
+DUMP = "dump"  # while writing the dying checkpoint
+PERSIST = "persist"  # in the background persister, mid-write
+RAISE = "raise"  # the injection kind raised inside the step body instead of at its start
+
+
+class InjectionPoints:
+    """The injections aimed at this worker (rank, node, local rank), fired at the points they name."""
+
+    def __init__(self, injections: list[Injection], reporter: Reporter, rank: int, node: int,
+                 local_rank: int) -> None:
+        self.injections = injections
+        self._reporter = reporter
+        self._rank = rank
+        self._node = node
+        self._local_rank = local_rank
+
+    def at_step_start(self, step: int) -> None:
+        for injection in self.injections:
+            if injection.kind != RAISE and injection.at == STEP and self._claim(injection, step):
+                fire(injection)
+
+    def in_step_body(self, step: int) -> None:
+        """Called by opt.step(): a ``raise`` injection fires inside the step body even unguarded."""
+        for injection in self.injections:
+            if injection.kind == RAISE and injection.at == STEP and self._claim(injection, step):
+                fire(injection)
+
+    def at_point(self, point: str, step: int) -> None:
+        """Faults aimed at a recovery phase (``RECOVERY``, ``DUMP``) rather than a training step."""
+        for injection in self.injections:
+            if injection.at == point and self._claim(injection, step):
+                fire(injection)
+
+    def persist_fault(self, step: int) -> Callable[[], None] | None:
+        """An ``at=persist`` injection aimed at ``step``, claimed now (the persister thread must not
+        talk to the controller on the training thread's connection), to be fired mid-write."""
+        for injection in self.injections:
+            if injection.at == PERSIST and self._claim(injection, step):
+                return lambda: fire(injection)
+        return None
+
+    def _claim(self, injection: Injection, step: int) -> bool:
+        if not injection.targets(self._rank, self._node, self._local_rank, step):
+            return False
+        if not self._reporter.claim_injection(injection.index, step):
+            return False
+        self._reporter.emit(ev.INJECTION, step=step, spec=injection.text())
+        return True

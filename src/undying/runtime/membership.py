@@ -1,0 +1,104 @@
+"""This worker's place in the job now: its generation, the ranks it trains with, their process
+group, and its connection to the job's store.
+
+Runs in the worker. The runtime reads it at every step; the recovery client
+(runtime/recovery_client.py) is the one that changes it: a new generation, new members, a new
+group, or a store that moved after a controller failover.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from undying.client import parse_address
+from undying.config import JobSpec
+from undying.protocol import Plan
+from undying.runtime.bounded_store import BoundedStore, connect_bounded
+from undying.runtime.pg import GenerationGroup, connect_store
+from undying.runtime.reporter import Reporter
+from undying.worker_env import WorkerEnv
+
+
+class Membership:
+    """``rank`` is this process's identity for the life of the job; ``group_rank`` its place in the
+    current generation's group and data-parallel split (they differ after an elastic shrink)."""
+
+    def __init__(self, env: WorkerEnv, backend: str, device: torch.device, reporter: Reporter) -> None:
+        self.rank = env.rank
+        self.world_size = env.world_size  # the job's ranks (batch slots), whatever the current members
+        self.node = env.node
+        self.local_rank = env.local_rank
+        self.store_prefix = env.store_prefix
+        self.backend = backend
+        self.device = device
+        self.generation = env.generation
+        self._spec: JobSpec = env.spec
+        self._reporter = reporter
+        self.store_address = env.store_address
+        self.store: dist.Store = (torch.distributed.HashStore() if self.store_address is None
+                                  else connect_store(*self.store_address, self._spec.start_timeout))
+        # The ranks of the current generation in process-group order: all of them, or the ones left
+        # after an elastic shrink.
+        self.members: list[int] = list(range(self.world_size))
+        self.group: GenerationGroup | None = None
+
+    @property
+    def group_rank(self) -> int:
+        return self.members.index(self.rank)
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas in the current generation (``world_size`` unless shrunk)."""
+        return len(self.members)
+
+    def aborted(self) -> bool:
+        """Has the controller told this generation to stop (a fault elsewhere, an elastic grow)?"""
+        return self._reporter.abort_generation >= self.generation
+
+    def current_group(self) -> GenerationGroup:
+        if self.group is None:
+            raise RuntimeError("no process group: this rank has not joined a generation yet")
+        return self.group
+
+    def build_group(self) -> GenerationGroup:
+        """Join the current generation's process group (every member builds it together)."""
+        # Each generation talks to the store over its own connection: a TCPStore client serializes
+        # its calls, and an abandoned generation's rendezvous may still block in one.
+        store = self.store if self.store_address is None else connect_store(*self.store_address,
+                                                                              self._spec.start_timeout)
+        deadline = None if self._spec.watchdog == "off" else self._spec.comm_timeout
+        self.group = GenerationGroup(store, self.store_prefix, self.generation, self.group_rank, self.replicas,
+                                     self.backend, deadline, self.device, should_abort=self.aborted,
+                                     join_timeout=self._spec.start_timeout)
+        return self.group
+
+    def leave_group(self) -> None:
+        if self.group is not None:
+            self.group.abandon()
+            self.group = None
+
+    def enter(self, plan: Plan) -> None:
+        """Become part of the plan's generation (its group is built next: ``build_group``)."""
+        self.generation = plan.generation
+        self._reporter.generation = plan.generation
+        self.members = list(plan.members) if plan.members else list(range(plan.world_size or self.world_size))
+
+    def move_store(self, address: str) -> bool:
+        """Use the job's store at ``address`` from now on; False if it is the one in use (or standalone)."""
+        if self.store_address is None:
+            return False
+        host, port = parse_address(address)
+        if (host, port) == self.store_address:
+            return False
+        self.store_address = (host, port)
+        self.store = connect_store(host, port, self._spec.start_timeout)
+        return True
+
+    def bounded_store(self, timeout: float, name: str) -> BoundedStore:
+        """A store connection of its own whose every call returns within ``timeout`` (runtime/bounded_store.py)."""
+        if self.store_address is None:
+            store = self.store
+            return BoundedStore(lambda: store, timeout)
+        host, port = self.store_address
+        return connect_bounded(host, port, timeout, name=name)

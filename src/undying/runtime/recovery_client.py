@@ -1,0 +1,148 @@
+"""The worker's side of a recovery: from a failed step (or a replacement's start) to a committed step.
+
+Runs in the worker. ``RecoveryClient.recover`` is the whole path, in order: leave the failed
+generation's group, check in with the controller (``/v1/worker/recover``) and wait for its plan,
+write the dying checkpoint if the plan says ``dump``, follow the job's store if it moved (controller
+failover), enter the plan's generation and build its group, then repair: the source replica sends
+its state to the replacement ranks (runtime/state_transfer.py) and every other rank rolls back its
+step in flight. A plan whose regroup or repair fails is followed by the next plan.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+from undying import events as ev
+from undying.checkpoint import commit, save_object, staging_dir
+from undying.checkpoint.dcp_format import write_shared_shard
+from undying.config import JobSpec
+from undying.protocol import Phase, Plan, PlanAction
+from undying.runtime.injection_points import DUMP, RECOVERY, InjectionPoints
+from undying.runtime.membership import Membership
+from undying.runtime.pg import CollectiveError
+from undying.runtime.reporter import Reporter
+from undying.runtime.rng import restore_rng
+from undying.runtime.rng_mirror import MIRROR_TIMEOUT_S, RngMirror
+from undying.runtime.snapshots import rank_state_file
+from undying.runtime.state_transfer import recv_state, send_state
+from undying.runtime.training_state import TrainingState
+
+if TYPE_CHECKING:
+    from undying.runtime.snapshots import CheckpointEngine
+
+PARK_POLL_S = 1.0
+
+
+class RecoveryClient:
+    """Carries out the controller's recovery plans for one worker.
+
+    Guarantees: ``recover`` returns only once this rank is a member of a new generation whose
+    group is built and holds the training state of the plan's ``target_step`` (received from the
+    plan's source replica, or its own step in flight rolled back), with that step marked as the
+    commit boundary. Not guaranteed: that it returns at all; a plan that gives this process no
+    part (``exit``, or after a dump) parks it until its agent stops it.
+    """
+
+    def __init__(self, spec: JobSpec, membership: Membership, state: TrainingState, reporter: Reporter,
+                 rng_mirror: RngMirror, injections: InjectionPoints, checkpoints: CheckpointEngine) -> None:
+        self.spec = spec
+        self.membership = membership
+        self.state = state
+        self.reporter = reporter
+        self.rng_mirror = rng_mirror
+        self.injections = injections
+        self.checkpoints = checkpoints
+
+    def recover(self, reason: str) -> None:
+        """Leave the failed step, follow the controller's plan, and return at a committed step."""
+        started = time.time()
+        self.checkpoints.settle()  # a repair rewrites the state an overlapped snapshot may still be copying
+        self.reporter.update(phase=Phase.RECOVERING)
+        if self.state.holds_state:
+            self.reporter.emit(ev.STEP_FAILED, step=self.state.committed_step, reason=reason)
+        while True:
+            self.membership.leave_group()
+            plan = self.reporter.wait_for_plan(self.membership.generation, self.state.committed_step, reason,
+                                               newcomer=not self.state.holds_state)
+            planned = time.time()
+            if plan.action == PlanAction.DUMP:
+                self.injections.at_point(DUMP, plan.target_step)
+                self._dump(plan)
+            if plan.action != PlanAction.RESUME:
+                self._park()
+            if plan.store:
+                self._follow_store(plan.store)
+            self.membership.enter(plan)
+            self.state.apply_members(self.membership, self.spec.elastic_batch)
+            try:
+                self.injections.at_point(RECOVERY, plan.target_step)
+                self.membership.build_group()
+                rebuilt = time.time()
+                self._repair(plan)
+                break
+            except CollectiveError as error:
+                reason = f"recovery of generation {plan.generation} failed: {error}"
+                self.reporter.emit(ev.STEP_FAILED, step=self.state.committed_step, reason=reason)
+        self.reporter.update(step=self.state.committed_step, phase=Phase.COMPUTING)
+        self.reporter.emit(ev.RECOVERED, step=self.state.committed_step, strategy=plan.strategy, pid=os.getpid(),
+                           source_rank=plan.source_rank, received=self.membership.rank in plan.receivers,
+                           wait_for_plan=round(planned - started, 4), rebuild=round(rebuilt - planned, 4),
+                           repair=round(time.time() - rebuilt, 4), total=round(time.time() - started, 4))
+
+    def _park(self) -> None:
+        """Nothing left for this process to do: the controller stops it (job restart or exit)."""
+        self.reporter.update(phase=Phase.RECOVERING)
+        while True:
+            time.sleep(PARK_POLL_S)
+
+    def _follow_store(self, address: str) -> None:
+        """Meet the next generation in the store the plan names: after a controller failover it
+        is the new controller's (the old one died with its node)."""
+        if not self.membership.move_store(address):
+            return
+        self.rng_mirror.use_store(self.membership.bounded_store(MIRROR_TIMEOUT_S, name="rng mirror store"))
+        self.checkpoints.store_moved()
+        self.reporter.emit(ev.STORE_MOVED, step=self.state.committed_step, store=address)
+
+    def _repair(self, plan: Plan) -> None:
+        """Make this rank hold the state of ``plan.target_step``: from the source replica if listed
+        as a receiver, else by rolling back its own step in flight."""
+        membership, state = self.membership, self.state
+        group = membership.current_group()
+        if membership.rank == plan.source_rank:
+            send_state(group, state.replica_state(), [membership.members.index(receiver)
+                                                      for receiver in plan.receivers], membership.device)
+        if membership.rank in plan.receivers:
+            received = recv_state(group, membership.members.index(plan.source_rank), membership.device)
+            state.load_replica_state(received)
+            state.holds_state = True
+            rng = self.rng_mirror.read(plan.target_step, fallbacks=plan.rng_stores)
+        else:
+            rng = state.roll_back_step_in_flight()
+        if rng:
+            restore_rng(rng)
+        state.zero_grad()
+        state.committed_step = plan.target_step
+        self.rng_mirror.write_rng(state.committed_step, state.mark_commit_boundary())
+
+    def _dump(self, plan: Plan) -> None:
+        """The dying checkpoint: the chosen replica writes the committed state; everyone else waits."""
+        if self.membership.rank != plan.source_rank:
+            return
+        started = time.time()
+        step = plan.target_step
+        root = self.checkpoints.root
+        staging = staging_dir(root, step, plan.generation)
+        records = write_shared_shard(staging, {**self.state.replica_state(), "committed_step": step},
+                                     self.checkpoints.param_names())
+        members = plan.members or list(range(self.membership.world_size))
+        for rank in members:
+            records.append(save_object(staging, rank_state_file(rank),
+                                       {"rng": self.rng_mirror.read(step, rank, plan.rng_stores), "statefuls": {}}))
+        committed = commit(root, staging, step=step, generation=plan.generation, world_size=len(members),
+                           files=records, meta={"dump": True, "node": self.membership.node, "members": members},
+                           keep=self.spec.checkpoint.keep)
+        self.reporter.emit(ev.DUMP_COMMITTED, step=step, path=str(committed.path),
+                           seconds=round(time.time() - started, 4), bytes=sum(r.size for r in records))

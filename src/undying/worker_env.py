@@ -1,0 +1,117 @@
+"""The environment contract between a node agent and each worker it starts: written in the agent
+(``WorkerEnv.to_environ``), read in the worker (``WorkerEnv.from_environ`` in ``undying.init()``).
+
+One type for both sides, so the variables' names, encodings and standalone defaults live in one
+place. The launcher hands the agent three of them too (token, spec, injections).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from undying.config import JobSpec, spec_from_json
+
+ENV_CONTROLLER = "UNDYING_CONTROLLER"  # host:port of the controller's HTTP endpoint
+ENV_TOKEN = "UNDYING_TOKEN"  # the job's secret
+ENV_JOB_ID = "UNDYING_JOB_ID"
+ENV_GENERATION = "UNDYING_GENERATION"
+ENV_NODE = "UNDYING_NODE"
+ENV_RUN_DIR = "UNDYING_RUN_DIR"
+ENV_SPEC = "UNDYING_SPEC"  # the validated job spec as JSON
+ENV_INJECT = "UNDYING_INJECT"  # fault-injection specs, ";"-separated
+ENV_RESTART_COUNT = "UNDYING_RESTART_COUNT"
+ENV_STORE_PREFIX = "UNDYING_STORE_PREFIX"
+ENV_JOINING = "UNDYING_JOINING"  # "1": this worker replaces a lost rank in a live job
+
+STANDALONE_RUN_DIR = "runs/standalone"
+STANDALONE_STORE_PREFIX = "undying/standalone"
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """Everything a worker learns from its agent, with the defaults of a standalone run (a
+    script started without ``undying run``: one rank, no controller, no store).
+
+    The torchrun variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK``, ``ROLE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``TORCHELASTIC_RESTART_COUNT``) are written too, so scripts written for torchrun find them.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node: int = 0
+    generation: int = 1
+    restart_count: int = 0
+    joining: bool = False  # a replacement for a lost rank: it receives its state from a live replica
+    controller: str | None = None  # host:port of the controller's HTTP endpoint; None when standalone
+    token: str = ""
+    job_id: str | None = None  # None when standalone: no agent owns a node shared-memory directory
+    run_dir: Path = Path(STANDALONE_RUN_DIR)
+    spec: JobSpec = field(default_factory=JobSpec)
+    injections_text: str = ""  # inject.decode reads it
+    store_prefix: str = STANDALONE_STORE_PREFIX
+    master_addr: str = ""  # the job's TCPStore (hosted by the controller)
+    master_port: int = 0
+
+    @property
+    def store_address(self) -> tuple[str, int] | None:
+        """Where the job's store is; None for a standalone run (it uses an in-process store)."""
+        if not self.controller:
+            return None
+        if not self.master_addr:
+            raise ValueError(f"{ENV_CONTROLLER} is set but MASTER_ADDR is not: no store to join")
+        return self.master_addr, self.master_port
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables to add to the worker's inherited environment."""
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node),
+            "ROLE_RANK": str(self.rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
+            ENV_CONTROLLER: self.controller or "",
+            ENV_TOKEN: self.token,
+            ENV_JOB_ID: self.job_id or "",
+            ENV_GENERATION: str(self.generation),
+            ENV_NODE: str(self.node),
+            ENV_RUN_DIR: str(self.run_dir),
+            ENV_SPEC: self.spec.model_dump_json(),
+            ENV_INJECT: self.injections_text,
+            ENV_RESTART_COUNT: str(self.restart_count),
+            ENV_STORE_PREFIX: self.store_prefix,
+            ENV_JOINING: "1" if self.joining else "0",
+        }
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        """Read the contract (``os.environ`` by default); a variable that is absent takes its default."""
+        env = os.environ if environ is None else environ
+        return cls(
+            rank=int(env.get("RANK", "0")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+            node=int(env.get(ENV_NODE, env.get("GROUP_RANK", "0"))),
+            generation=int(env.get(ENV_GENERATION, "1")),
+            restart_count=int(env.get(ENV_RESTART_COUNT, env.get("TORCHELASTIC_RESTART_COUNT", "0"))),
+            joining=env.get(ENV_JOINING) == "1",
+            controller=env.get(ENV_CONTROLLER) or None,
+            token=env.get(ENV_TOKEN, ""),
+            job_id=env.get(ENV_JOB_ID) or None,
+            run_dir=Path(env.get(ENV_RUN_DIR, STANDALONE_RUN_DIR)),
+            spec=spec_from_json(env[ENV_SPEC]) if ENV_SPEC in env else JobSpec(),
+            injections_text=env.get(ENV_INJECT, ""),
+            store_prefix=env.get(ENV_STORE_PREFIX, STANDALONE_STORE_PREFIX),
+            master_addr=env.get("MASTER_ADDR", ""),
+            master_port=int(env.get("MASTER_PORT") or "0"),
+        )

@@ -1,0 +1,93 @@
+"""Replica state between ranks in its one encoding (skeleton + tensors): what a repair's receiver
+and a restore's ranks get is bitwise what the source holds, over a real gloo group in threads."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from undying.runtime.pg import GenerationGroup
+from undying.runtime.state_transfer import broadcast_state, recv_state, send_state
+
+CPU = torch.device("cpu")
+
+
+def source_state() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(7)
+    weights = OrderedDict(weight=torch.randn(3, 4, generator=generator), bias=torch.randn(4, generator=generator))
+    weights._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]  # load_state_dict reads it
+    return {
+        "committed_step": 12,
+        "models": [weights],
+        "optimizers": [{"state": {0: {"step": torch.tensor(12.0), "exp_avg": torch.randn(3, 4).t()}},
+                        "param_groups": [{"lr": 0.001, "params": [0]}]}],
+        "loaders": [{"epoch": 1, "position": 36}],
+        "statefuls": {"empty": torch.empty(0), "half": torch.arange(5, dtype=torch.float16)},
+    }
+
+
+def run_ranks(world_size: int, body: Callable[[GenerationGroup], Any]) -> list[Any]:
+    store = torch.distributed.HashStore()
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException] = []
+
+    def rank(index: int) -> None:
+        try:
+            group = GenerationGroup(store, "transfer", 1, index, world_size, "gloo", 20.0, CPU)
+            results[index] = body(group)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    return results
+
+
+def assert_same(received: Any, sent: Any) -> None:
+    assert type(received) is type(sent)
+    if isinstance(sent, dict):
+        assert list(received) == list(sent)
+        assert getattr(received, "_metadata", None) == getattr(sent, "_metadata", None)
+        for key in sent:
+            assert_same(received[key], sent[key])
+    elif isinstance(sent, list):
+        assert len(received) == len(sent)
+        for item, expected in zip(received, sent, strict=True):
+            assert_same(item, expected)
+    elif isinstance(sent, torch.Tensor):
+        assert received.dtype == sent.dtype and received.shape == sent.shape
+        assert torch.equal(received, sent)
+    else:
+        assert received == sent
+
+
+def test_repair_sends_the_source_state_to_the_receivers_only() -> None:
+    sent = source_state()
+
+    def body(group: GenerationGroup) -> Any:
+        if group.rank == 1:
+            send_state(group, sent, [0, 2], CPU)
+            return None
+        if group.rank in (0, 2):
+            return recv_state(group, 1, CPU)
+        return "untouched"  # rank 3 rolls back on its own: no part in the transfer
+
+    results = run_ranks(4, body)
+    assert_same(results[0], sent)
+    assert_same(results[2], sent)
+    assert results[3] == "untouched"
+
+
+def test_restore_broadcasts_the_same_encoding_to_every_rank() -> None:
+    sent = source_state()
+    results = run_ranks(3, lambda group: broadcast_state(group, sent if group.rank == 0 else None, 0, CPU))
+    for received in results:
+        assert_same(received, sent)
