@@ -120,14 +120,14 @@ class Agent:
         raise AgentStopped()
 
     def _hello(self) -> None:
-        deadline = time.time() + self.spec.node_return_timeout
+        deadline = time.monotonic() + self.spec.node_return_timeout
         hello = AgentHello(self.node, os.getpid(), socket.gethostname(), self.spec.nproc_per_node,
                            standby=self.spare, spec=spec_to_dict(self.spec))
         while True:
             try:
                 reply = HelloReply.from_dict(self.client.post(ROUTE_AGENT_HELLO, hello.to_dict()))
             except ControllerUnreachable:
-                if time.time() > deadline:
+                if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
                 continue
@@ -143,7 +143,7 @@ class Agent:
             self.job_id = reply.job_id
             if self.spare and self.spec.warm_standby and not self.standbys:
                 # Idle until needed: have the replacement interpreter ready before that.
-                self.standby_due = time.time() + STANDBY_DELAY
+                self.standby_due = time.monotonic() + STANDBY_DELAY
             return
 
     def _claim_shared_memory(self) -> None:
@@ -167,8 +167,8 @@ class Agent:
                 unreachable_since = None
             except ControllerUnreachable:
                 # Without a controller nobody can make decisions: do not train on forever.
-                unreachable_since = unreachable_since or time.time()
-                if time.time() - unreachable_since > self.spec.node_return_timeout:
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since > self.spec.node_return_timeout:
                     print(f"undying agent {self.node}: controller unreachable, stopping", file=sys.stderr)
                     return 1
                 time.sleep(min(1.0, self.spec.monitor_interval))
@@ -230,7 +230,7 @@ class Agent:
             self._spawn(rank, order, joining=False)
         if self.spec.warm_standby and len(self.standbys) < self.standby_target:
             # Not now: the standbys' own torch imports would compete with the workers' start.
-            self.standby_due = time.time() + STANDBY_DELAY
+            self.standby_due = time.monotonic() + STANDBY_DELAY
 
     def _replace_workers(self, order: Order) -> None:
         """Process-level recovery: restart only these ranks; the node's other workers keep running."""
@@ -264,7 +264,7 @@ class Agent:
         if warm:
             process = self.standbys.pop(0)
             assert process.stdin is not None
-            self.standby_due = time.time() + STANDBY_DELAY
+            self.standby_due = time.monotonic() + STANDBY_DELAY
             env[ENV_WARM] = "1"
             process.stdin.write((json.dumps({"env": env, "command": self.command, "log": str(log_path)})
                                  + "\n").encode())
@@ -298,9 +298,9 @@ class Agent:
         alive = [process for process in self.standbys if process.poll() is None]
         if len(alive) < len(self.standbys):
             self.standbys = alive
-            self.standby_due = self.standby_due or time.time() + STANDBY_DELAY
+            self.standby_due = self.standby_due or time.monotonic() + STANDBY_DELAY
         if len(self.standbys) < self.standby_target and self.standby_due is not None \
-                and time.time() >= self.standby_due \
+                and time.monotonic() >= self.standby_due \
                 and can_serve(self.command):
             log = open(self.run_dir / "logs" / f"standby{self.node}.log", "ab")  # noqa: SIM115 - child's
             for _ in range(self.standby_target - len(self.standbys)):

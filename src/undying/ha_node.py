@@ -122,8 +122,8 @@ class ControllerCandidate(threading.Thread):
 
 
 def wait_for_leader(endpoint: str, job: str, timeout: float) -> str | None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         address = locate_controller(endpoint, job)
         if address:
             return address

@@ -115,11 +115,11 @@ class LocalAgents:
 
     def close(self, grace: float) -> None:
         self._closing = True
-        deadline = time.time() + grace
+        deadline = time.monotonic() + grace
         with self._lock:
             processes = list(self.processes.values())
         for process in processes:
-            remaining = max(0.0, deadline - time.time())
+            remaining = max(0.0, deadline - time.monotonic())
             try:
                 process.wait(timeout=remaining)
             except subprocess.TimeoutExpired:

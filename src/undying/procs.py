@@ -40,8 +40,8 @@ def stop_processes(processes: list[subprocess.Popen[bytes]], grace: float) -> No
     if grace > 0:
         for process in alive:
             _send(process, signal.SIGTERM)
-        deadline = time.time() + grace
-        while time.time() < deadline and any(p.poll() is None for p in alive):
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in alive):
             time.sleep(0.02)
     for process in alive:
         if process.poll() is None:

@@ -164,7 +164,7 @@ class RecoverRequest(Message):
 
 @dataclass
 class Plan(Message):
-    """What every rank does to leave a fault behind (ARCHITECTURE.md, "Recovery, step by step")."""
+    """What every rank does to leave a fault behind (docs/design.md, "Process-level recovery")."""
 
     action: str = PlanAction.WAIT
     strategy: str = ""

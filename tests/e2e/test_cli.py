@@ -1,18 +1,22 @@
 """The CLI as a user runs it: bad input is one line and exit code 2, nothing started or written;
-a running job refuses clients without its token; report draws a run."""
+a running job refuses clients without its token; a node with another job spec is refused; report
+draws a run."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXAMPLE, REPO, start_job, wait_no_processes
+from tests.conftest import EXAMPLE, MARK_ENV, REPO, start_job, undying_command, wait_no_processes
 from undying import events as ev
 from undying.events import read_events
 
@@ -133,3 +137,47 @@ def test_report_summarizes_and_draws(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "succeeded" in result.stdout
     assert (tmp_path / "timeline.svg").read_text().startswith("<svg")
+
+
+def test_a_node_started_with_another_spec_is_refused_and_the_same_spec_joins(tmp_path: Path) -> None:
+    """Real multi-node on loopback, one `undying run` per node: node 1 started with another
+    comm_timeout than node 0's controller is refused with one line naming the field; started with
+    the same spec, it joins and the job runs to its end."""
+    token_file = tmp_path / "token"
+    token_file.write_text("k" * 40)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    common = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--controller", f"127.0.0.1:{port}",
+              "--token-file", str(token_file), "--monitor-interval", "0.3", "--set", "warm_standby=false"]
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, **{MARK_ENV: mark, "PYTHONUNBUFFERED": "1"})
+
+    def node(rank: int, comm_timeout: int) -> subprocess.Popen:
+        args = [*common, "--node-rank", str(rank), "--set", f"comm_timeout={comm_timeout}",
+                "--run-dir", str(tmp_path / f"node{rank}"), str(EXAMPLE), "--steps", "6"]
+        if rank == 0:
+            args[1:1] = ["--controller-bind", "127.0.0.1"]
+        return subprocess.Popen(undying_command(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, cwd=REPO)
+
+    leader = node(0, 30)
+    try:
+        stranger = node(1, 90)
+        output, _ = stranger.communicate(timeout=120)
+        assert stranger.returncode != 0, output
+        refusal = [line for line in output.splitlines() if "refused" in line]
+        assert refusal and refusal[-1].endswith(
+            "the agent's job spec differs from the controller's in: comm_timeout"), output
+        assert leader.poll() is None, "the controller keeps waiting for node 1"
+
+        same = node(1, 30)
+        output, _ = same.communicate(timeout=180)
+        assert same.returncode == 0, output
+        output, _ = leader.communicate(timeout=60)
+        assert leader.returncode == 0, output
+    finally:
+        for process in (leader,):
+            if process.poll() is None:
+                process.kill()
+    assert wait_no_processes(mark) == []

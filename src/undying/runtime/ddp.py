@@ -2,7 +2,7 @@
 
 Runs in the worker. Stock DDP rebuilds its buckets after the first iteration, so the
 first step after a restart sums gradients in a different layout and the run
-diverges (ARCHITECTURE.md, "Measured facts"). Here the layout depends only on the
+diverges (measured: docs/design.md, "Why the gradient sync is not DDP"). Here the layout depends only on the
 parameter list: one flat buffer per dtype, parameters in registration order, plus
 one vote slot. Every replay of a step therefore sums every element in the same
 ring position and order.

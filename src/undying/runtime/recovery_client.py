@@ -57,7 +57,7 @@ class RecoveryClient:
 
     def recover(self, reason: str) -> None:
         """Leave the failed step, follow the controller's plan, and return at a committed step."""
-        started = time.time()
+        started = time.monotonic()
         self.checkpoints.settle()  # a repair rewrites the state an overlapped snapshot may still be copying
         self.reporter.update(phase=Phase.RECOVERING)
         if self.state.holds_state:
@@ -66,7 +66,7 @@ class RecoveryClient:
             self.membership.leave_group()
             plan = self.reporter.wait_for_plan(self.membership.generation, self.state.committed_step, reason,
                                                newcomer=not self.state.holds_state)
-            planned = time.time()
+            planned = time.monotonic()
             if plan.action == PlanAction.DUMP:
                 self.injections.at_point(DUMP, plan.target_step)
                 self._dump(plan)
@@ -79,7 +79,7 @@ class RecoveryClient:
             try:
                 self.injections.at_point(RECOVERY, plan.target_step)
                 self.membership.build_group()
-                rebuilt = time.time()
+                rebuilt = time.monotonic()
                 self._repair(plan)
                 break
             except CollectiveError as error:
@@ -89,7 +89,7 @@ class RecoveryClient:
         self.reporter.emit(ev.RECOVERED, step=self.state.committed_step, strategy=plan.strategy, pid=os.getpid(),
                            source_rank=plan.source_rank, received=self.membership.rank in plan.receivers,
                            wait_for_plan=round(planned - started, 4), rebuild=round(rebuilt - planned, 4),
-                           repair=round(time.time() - rebuilt, 4), total=round(time.time() - started, 4))
+                           repair=round(time.monotonic() - rebuilt, 4), total=round(time.monotonic() - started, 4))
 
     def _park(self) -> None:
         """Nothing left for this process to do: the controller stops it (job restart or exit)."""
