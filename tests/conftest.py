@@ -105,10 +105,10 @@ def undying_command(args: list[str], reschedule_wait: float | None = None) -> li
 
 def start_job(run_dir: Path, extra: list[str], steps: int = STEPS,
               script_args: list[str] | None = None, env: dict[str, str] | None = None,
-              reschedule_wait: float | None = None) -> tuple[subprocess.Popen, str]:
+              reschedule_wait: float | None = None, script: Path = EXAMPLE) -> tuple[subprocess.Popen, str]:
     mark = uuid.uuid4().hex
     env = dict(os.environ, **(env or {}), **{MARK_ENV: mark, "PYTHONUNBUFFERED": "1"})
-    command = undying_command(["run", *BASE_ARGS, "--run-dir", str(run_dir), *extra, str(EXAMPLE),
+    command = undying_command(["run", *BASE_ARGS, "--run-dir", str(run_dir), *extra, str(script),
                                "--steps", str(steps), *(script_args or [])], reschedule_wait)
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                cwd=REPO)
@@ -117,8 +117,8 @@ def start_job(run_dir: Path, extra: list[str], steps: int = STEPS,
 
 def run_job(run_dir: Path, extra: list[str] | None = None, steps: int = STEPS, timeout: float = 240,
             script_args: list[str] | None = None, env: dict[str, str] | None = None,
-            reschedule_wait: float | None = None) -> JobRun:
-    process, mark = start_job(run_dir, extra or [], steps, script_args, env, reschedule_wait)
+            reschedule_wait: float | None = None, script: Path = EXAMPLE) -> JobRun:
+    process, mark = start_job(run_dir, extra or [], steps, script_args, env, reschedule_wait, script)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -103,6 +104,7 @@ class Runtime:
         self._step_failure: str | None = None
         self._voted = False
         self._updated = False
+        self._loop_state_registered = False
         # Its own bounded store connection: a mirror write happens every step, and a store whose
         # host froze must not hold the step for ``start_timeout``.
         self.rng_mirror = RngMirror(self.membership.bounded_store(MIRROR_TIMEOUT_S, name="rng mirror store"),
@@ -165,6 +167,8 @@ class Runtime:
         return wrapped
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> CommitOptimizer:
+        """The optimizer whose ``step()`` commits the step on every rank or on none. It is a
+        ``torch.optim.Optimizer``: build LR schedulers (and GradScaler) on it as on the original."""
         wrapped = CommitOptimizer(optimizer, self._sync_all_gradients, self._set_phase,
                                   self._fire_raise_injections_now, self.checkpoints.settle)
         self.state.optimizers.append(wrapped)
@@ -177,7 +181,14 @@ class Runtime:
         return loader
 
     def register(self, name: str, obj: Stateful) -> None:
-        """Checkpoint ``obj`` (anything with state_dict/load_state_dict) with the training state."""
+        """Make ``obj`` (anything with state_dict/load_state_dict: an EMA, a counter) part of the
+        step transaction: checkpointed with the training state, handed to a replacement rank, and
+        wound back to the last committed step when a step fails.
+
+        LR schedulers built on a wrapped optimizer (or the optimizer it wraps) and a GradScaler need
+        no ``register``: ``steps()`` finds those that exist when it starts and registers them itself;
+        those it cannot name unambiguously (e.g. two LambdaLR on one optimizer) are left to
+        ``register`` and named in one warning at the first step."""
         self.state.register(name, obj)
 
     def log(self, loss: float | None = None) -> None:
@@ -188,8 +199,10 @@ class Runtime:
 
         A step whose gradient sync failed (a peer died, a collective timed out, a rank
         voted against it) is not applied by anyone; the runtime then recovers and the
-        same step number is yielded again.
+        same step number is yielded again. Schedulers and GradScalers are looked for first
+        (``register``): build them before the loop.
         """
+        self._register_loop_state()
         if self.joining:
             self._recover("joining as a replacement rank")
         elif self.checkpoints.restore():
@@ -300,6 +313,17 @@ class Runtime:
     def _fail_step(self, reason: str) -> None:
         if self._step_failure is None:
             self._step_failure = reason
+
+    def _register_loop_state(self) -> None:
+        """Once, before the first step: take the unregistered schedulers and GradScalers into the
+        transaction, and say once which ones could not be."""
+        if self._loop_state_registered:
+            return
+        self._loop_state_registered = True
+        left_out = self.state.register_loop_state()
+        if left_out:
+            warnings.warn(f"undying: not part of the step transaction (a failed step would leave them "
+                          f"advanced; pass each to ft.register): {', '.join(left_out)}", stacklevel=3)
 
     def _mark_commit_boundary(self) -> None:
         """Remember what a rollback to this committed step needs, and mirror its RNG state where a

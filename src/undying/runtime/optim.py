@@ -1,4 +1,5 @@
-"""The optimizer wrapper that makes ``opt.step()`` the commit point of a step.
+"""The optimizer wrapper that makes ``opt.step()`` the commit point of a step, and the finding of the
+LR schedulers and GradScalers a loop built around it.
 
 Runs in the worker. ``step()`` first averages the gradients of every wrapped model
 (with each rank's vote folded into that all-reduce), and applies the update only
@@ -9,21 +10,31 @@ which step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from undying.protocol import Phase
 
+GRAD_SCALER_NAME = "grad_scaler"
 
-class CommitOptimizer:
+
+class CommitOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer; everything but ``step`` is the wrapped optimizer's own.
 
-    Give LR schedulers the original optimizer object: they act on its param_groups,
-    which this wrapper shares.
+    Guarantees: ``step()`` changes nothing (parameters, optimizer state, its step counts) unless
+    every rank's step succeeded. It is a ``torch.optim.Optimizer`` whose ``param_groups``,
+    ``state`` and ``defaults`` are the wrapped optimizer's very objects, so LR schedulers (and
+    GradScaler) may be built on it or on the original optimizer alike. An LR scheduler replaces
+    this object's ``step`` with a wrapper that counts calls and then calls this class's ``step``:
+    the commit decision stays here. Not guaranteed: that a scheduler stepped in a step that did not
+    commit is wound back by this object; the runtime does that (``TrainingState``'s commit boundary).
     """
 
+    # Optimizer.__init__ is not called: there are no parameters of this object's own to group.
     def __init__(self, optimizer: torch.optim.Optimizer, sync_gradients: Callable[[], bool],
                  set_phase: Callable[[str], None], before_step: Callable[[], None] = lambda: None,
                  before_update: Callable[[], None] = lambda: None) -> None:
@@ -33,18 +44,19 @@ class CommitOptimizer:
         self._before_step = before_step
         self._before_update = before_update  # e.g. wait for an overlapped snapshot's copy
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Apply the update iff every rank's step succeeded; otherwise apply nothing and return None.
 
         A failed step raises nothing here: the runtime's ``steps()`` sees it at the end of
-        the loop body, recovers, and yields the same step again.
+        the loop body, recovers, and yields the same step again. Keyword arguments (e.g. the
+        ``grad_scaler`` a GradScaler passes to fused optimizers) go to the wrapped ``step``.
         """
         self._before_step()
         if not self._sync_gradients():
             return None
         self._before_update()
         self._set_phase(Phase.UPDATING)
-        result = self.optimizer.step(closure)
+        result = self.optimizer.step(closure, **kwargs)
         self._set_phase(Phase.UPDATED)
         return result
 
@@ -57,13 +69,77 @@ class CommitOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    # Plain attributes on torch.optim.Optimizer; here views of the wrapped optimizer's.
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
 
     @property
     def state(self) -> Any:
         return self.optimizer.state
 
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
+
     def __getattr__(self, name: str) -> Any:
+        # Only reached for names this object lacks (e.g. the hook registries Optimizer.__init__
+        # would have made): they are the wrapped optimizer's, so hooks fire on a committed update.
+        if name == "optimizer":
+            raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+
+def find_loop_state(optimizers: list[CommitOptimizer], registered: Iterable[object]
+                    ) -> tuple[dict[str, Any], list[str]]:
+    """The LR schedulers and GradScalers that exist now and are not in ``registered``, by name.
+
+    A scheduler counts when built on one of ``optimizers`` (the wrapper or the optimizer it wraps);
+    the children of a SequentialLR or ChainedScheduler come with their parent. The names depend only
+    on what the script built (``lr_scheduler.<optimizer index>.<class>``, ``grad_scaler``), so every
+    rank, a replacement and a restarted job choose the same ones. Where that would be ambiguous (two
+    top-level schedulers of one class on one optimizer, two GradScalers) nothing is taken and the
+    second list says what, for the user to ``register``. Objects created after this call are not
+    seen. Cost: one garbage collection and one pass over the live objects (~0.1 s, once).
+    """
+    optimizer_index: dict[int, int] = {}
+    for index, wrapped in enumerate(optimizers):
+        optimizer_index[id(wrapped)] = optimizer_index[id(wrapped.optimizer)] = index
+    taken = {id(obj) for obj in registered}
+    gc.collect()  # a scheduler dropped in a reference cycle must not be taken for a live one
+    schedulers, scalers = [], []
+    for obj in gc.get_objects():
+        # type(), not isinstance(): the latter reads __class__, which some module-level objects
+        # (deprecated torch aliases) answer with a warning.
+        kind = type(obj)
+        if issubclass(kind, LRScheduler) and id(obj.optimizer) in optimizer_index:
+            schedulers.append(obj)
+        elif issubclass(kind, torch.amp.GradScaler):
+            scalers.append(obj)
+    children = {id(child) for scheduler in schedulers for child in getattr(scheduler, "_schedulers", [])}
+    by_name: dict[str, list[Any]] = {}
+    for scheduler in schedulers:
+        if id(scheduler) not in taken and id(scheduler) not in children:
+            name = f"lr_scheduler.{optimizer_index[id(scheduler.optimizer)]}.{type(scheduler).__name__}"
+            by_name.setdefault(name, []).append(scheduler)
+    free_scalers = [scaler for scaler in scalers if id(scaler) not in taken]
+    if free_scalers:
+        by_name[GRAD_SCALER_NAME] = free_scalers
+    found = {name: objs[0] for name, objs in by_name.items() if len(objs) == 1}
+    ambiguous = [f"{len(objs)} x {name}" for name, objs in sorted(by_name.items()) if len(objs) > 1]
+    return found, ambiguous

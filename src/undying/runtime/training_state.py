@@ -7,15 +7,52 @@ state through it, never through the runtime.
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
 
 from undying.data import ResumableLoader, replica_slots
 from undying.runtime.ddp import FixedLayoutDDP
-from undying.runtime.optim import CommitOptimizer
+from undying.runtime.optim import CommitOptimizer, find_loop_state
 from undying.runtime.rng import capture_rng, restore_rng
 
 if TYPE_CHECKING:
     from undying.runtime.membership import Membership
+
+
+def copy_state(state: Any) -> Any:
+    """A copy of a state_dict that shares nothing with it: tensors cloned (detached), plain
+    containers rebuilt, anything else deep-copied."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if type(state) is dict:
+        return {key: copy_state(value) for key, value in state.items()}
+    if type(state) in (list, tuple):
+        return type(state)(copy_state(value) for value in state)
+    return copy.deepcopy(state)  # also subclasses (OrderedDict, namedtuple): deepcopy clones their tensors
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group without its parameters: what a scheduler changes (lr, momentum, ...)."""
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def restore_hyperparameters(group: dict[str, Any], committed: dict[str, Any]) -> None:
+    for key, value in committed.items():
+        current = group.get(key)
+        if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+            current.copy_(value)  # in place: a fused or captured optimizer holds this tensor
+        else:
+            group[key] = copy_state(value)
+
+
+def forget_step_in_flight(obj: object) -> None:
+    """A GradScaler remembers per optimizer that this step unscaled or stepped it until its
+    ``update()``; a step that failed before that must not leave it behind (``unscale_`` would
+    refuse the re-run). Its state_dict does not hold this, so loading one does not clear it."""
+    if isinstance(obj, torch.amp.GradScaler):
+        obj._per_optimizer_states.clear()
 
 
 class Stateful(Protocol):
@@ -31,6 +68,12 @@ class TrainingState:
     Two parts, as a checkpoint stores them: the *replica* state every data-parallel replica holds
     alike (``replica_state``), and each rank's own (``rank_state``: its RNG and registered objects).
     Both are as of the last commit boundary (``mark_commit_boundary``): the step in flight excluded.
+
+    The loop's own state is part of the transaction: at each commit boundary a copy is kept of every
+    registered object's state (LR schedulers, GradScaler, EMA, counters), of each optimizer's
+    hyperparameters (the ``lr`` a scheduler writes into its param_groups), and of the RNG and loader
+    positions. A step that fails is wound back to that copy (``roll_back_step_in_flight``), and what
+    leaves this process (``replica_state``, ``rank_state``) is that copy, never the step in flight.
     """
 
     def __init__(self, holds_state: bool) -> None:
@@ -43,24 +86,57 @@ class TrainingState:
         self.holds_state = holds_state
         self.commit_rng: dict[str, Any] = {}
         self.commit_loaders: list[dict[str, Any]] = []
+        # Empty until the first boundary: before it, the objects' own states are the committed ones.
+        self.commit_statefuls: dict[str, Any] = {}
+        self.commit_hyperparameters: list[list[dict[str, Any]]] = []
 
     def register(self, name: str, obj: Stateful) -> None:
         if name in self.statefuls:
             raise ValueError(f"register: name {name!r} is taken")
         self.statefuls[name] = obj
 
+    def register_loop_state(self) -> list[str]:
+        """Register the LR schedulers and GradScalers built so far that the user did not
+        (runtime/optim.py ``find_loop_state``); returns a description of each one left out."""
+        found, left_out = find_loop_state(self.optimizers, self.statefuls.values())
+        for name, obj in found.items():
+            if name in self.statefuls:
+                left_out.append(f"{name} (a registered object has that name)")
+            else:
+                self.statefuls[name] = obj
+        return left_out
+
     # ------------------------------------------------------------- commit boundary and rollback
 
     def mark_commit_boundary(self) -> dict[str, Any]:
-        """Remember the RNG and loader positions of the committed step; returns the RNG state (to mirror)."""
+        """Remember what the committed step holds beyond the model and optimizer state: RNG, loader
+        positions, registered objects, optimizer hyperparameters. Returns the RNG state (to mirror).
+
+        Cost per step: a copy of each registered state_dict. A scheduler's, GradScaler's or
+        counter's is a few numbers (measured: ~20 us for all three, on top of ~45 us for the RNG);
+        an EMA costs a clone of its tensors every step, i.e. one more model copy in memory (on the
+        EMA's device) and its copy bandwidth (measured: 34 ms for a 67 MB EMA on a shared CPU)."""
         self.commit_rng = capture_rng()
         self.commit_loaders = [loader.state_dict() for loader in self.loaders]
+        self.commit_statefuls = {name: copy_state(obj.state_dict()) for name, obj in self.statefuls.items()}
+        self.commit_hyperparameters = [[copy_state(hyperparameters(group)) for group in optimizer.param_groups]
+                                       for optimizer in self.optimizers]
         return self.commit_rng
 
     def roll_back_step_in_flight(self) -> dict[str, Any]:
-        """Put the loaders back at the committed step; returns the RNG state to restore with them."""
+        """Put the loaders, registered objects and optimizer hyperparameters back as they were at the
+        committed step; returns the RNG state to restore with them."""
         for loader, state in zip(self.loaders, self.commit_loaders, strict=True):
             loader.load_state_dict(state)
+        # strict=False: an optimizer or param group added since the boundary has nothing to go back to.
+        for optimizer, groups in zip(self.optimizers, self.commit_hyperparameters, strict=False):
+            for group, committed in zip(optimizer.param_groups, groups, strict=False):
+                restore_hyperparameters(group, committed)
+        for name, state in self.commit_statefuls.items():
+            obj = self.statefuls[name]
+            # A copy: an object may keep the tensors it is given, and the boundary's stay untouched.
+            obj.load_state_dict(copy_state(state))
+            forget_step_in_flight(obj)
         return self.commit_rng
 
     def zero_grad(self) -> None:
@@ -75,7 +151,7 @@ class TrainingState:
         return {
             "committed_step": self.committed_step,
             "models": [model.module.state_dict() for model in self.models],
-            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "optimizers": [self._committed_optimizer_state(index) for index in range(len(self.optimizers))],
             "loaders": self.commit_loaders,
             "statefuls": self._stateful_states(),
         }
@@ -100,7 +176,18 @@ class TrainingState:
         self._load_stateful_states(state.get("statefuls", {}))
 
     def _stateful_states(self) -> dict[str, Any]:
-        return {name: obj.state_dict() for name, obj in self.statefuls.items()}
+        """As of the commit boundary; an object registered since then, as it is now."""
+        return {name: self.commit_statefuls[name] if name in self.commit_statefuls else obj.state_dict()
+                for name, obj in self.statefuls.items()}
+
+    def _committed_optimizer_state(self, index: int) -> dict[str, Any]:
+        """The optimizer's state_dict with the hyperparameters of the commit boundary: its tensors
+        change only in a committed ``step()``, but a scheduler may have set the ``lr`` since."""
+        state = self.optimizers[index].state_dict()
+        if index < len(self.commit_hyperparameters):
+            for packed, committed in zip(state["param_groups"], self.commit_hyperparameters[index], strict=False):
+                packed.update(committed)
+        return state
 
     def _load_stateful_states(self, states: dict[str, Any]) -> None:
         for name, stateful_state in states.items():
