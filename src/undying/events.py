@@ -24,6 +24,8 @@ JOB_END = "job_end"
 STRATEGY_SELECTED = "strategy_selected"
 AGENT_REGISTERED = "agent_registered"
 AGENT_LOST = "agent_lost"
+# An agent's poll connection closed (its process may have died): lost unless it polls again at once.
+AGENT_DISCONNECTED = "agent_disconnected"
 AGENT_RESPAWNED = "agent_respawned"
 GENERATION_START = "generation_start"
 WORKER_STARTED = "worker_started"

@@ -115,6 +115,9 @@ class MachineController:
     def report(self, poll: AgentPoll) -> None:
         self._apply(lambda now: self.machine.agent_report(now, poll))
 
+    def agent_disconnected(self, node_id: int, pid: int) -> None:
+        self._apply(lambda now: self.machine.agent_disconnected(now, node_id, pid))
+
     def report_agent_exit(self, node_id: int, returncode: int | None) -> None:
         self._apply(lambda now: self.machine.agent_exited(now, node_id, returncode))
 

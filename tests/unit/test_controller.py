@@ -522,6 +522,39 @@ def test_a_killed_worker_is_recovered_in_place_and_only_it_restarts(make_job):
     assert job.controller.state is JobState.RUNNING
 
 
+def test_an_agent_whose_connection_closed_is_lost_within_a_second_and_blamed_before_a_survivor(make_job):
+    """A real host's node dies (its `undying run` killed): its agent's poll connection closes. The
+    survivors' failed all-reduce arrives first, but the decision waits for the node and is the
+    lost node's strategy (recover), not a survivor's."""
+    job = recovering_job(make_job, monitor_interval=5.0)
+    job.controller.agent_disconnected(1, 1001)
+    [disconnected] = job.events(ev.AGENT_DISCONNECTED)
+    assert disconnected.node == 1
+    assert job.controller.recover(survivor(job, 0, 7, wait=0.0, reason="allreduce failed")).action \
+        == PlanAction.WAIT
+    job.advance(0.7)  # past the failed step's grace: still no decision while node 1 may be gone
+    assert job.events(ev.DECISION) == []
+    assert job.wait_for(lambda: bool(job.events(ev.DECISION)), timeout=1.0)
+    [lost] = job.events(ev.AGENT_LOST)
+    assert lost.node == 1 and "connection closed" in lost.details["why"]
+    [decision] = job.events(ev.DECISION)
+    assert (decision.details["strategy"], decision.details["lost_ranks"]) == ("recover", [2, 3])
+    assert job.now() - lost.time + job.controller.machine.wall_offset < 0.1  # decided at once
+
+
+def test_an_agent_that_polls_again_after_its_connection_closed_is_not_lost(make_job):
+    job = recovering_job(make_job, monitor_interval=5.0)
+    job.controller.agent_disconnected(1, 1001)
+    job.advance(0.5)
+    job.poll(1, 1, job.statuses(1, 1))  # its client reconnected
+    job.keep_beating(2, 7, seconds=3.0)
+    assert job.events(ev.AGENT_LOST) == [] and job.events(ev.DECISION) == []
+    # A close seen from another process than the node's agent changes nothing.
+    job.controller.agent_disconnected(1, 4242)
+    job.keep_beating(2, 7, seconds=2.0)
+    assert job.events(ev.AGENT_LOST) == []
+
+
 def test_a_survivor_a_step_behind_receives_the_state_too(make_job):
     job = recovering_job(make_job)
     report_exit(job, 3)

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from undying.runtime import state_transfer
 from undying.runtime.pg import GenerationGroup
-from undying.runtime.state_transfer import broadcast_state, recv_state, send_state
+from undying.runtime.state_transfer import broadcast_state, buckets_of, recv_state, send_state
 
 CPU = torch.device("cpu")
 
@@ -91,3 +92,15 @@ def test_restore_broadcasts_the_same_encoding_to_every_rank() -> None:
     results = run_ranks(3, lambda group: broadcast_state(group, sent if group.rank == 0 else None, 0, CPU))
     for received in results:
         assert_same(received, sent)
+
+
+def test_tensors_travel_in_few_buckets_of_one_dtype_each(monkeypatch) -> None:
+    f32, f16 = torch.float32, torch.float16
+    layout = [(f32, (4, 4)), (f32, (8,)), (f16, (3,)), (f32, (2,)), (f32, (1000,)), (f32, (4,))]
+    assert buckets_of(layout) == [(f32, [0, 1]), (f16, [2]), (f32, [3, 4, 5])]
+    monkeypatch.setattr(state_transfer, "BUCKET_BYTES", 100)  # a tensor over the cap travels alone
+    assert buckets_of(layout) == [(f32, [0, 1]), (f16, [2]), (f32, [3]), (f32, [4]), (f32, [5])]
+    state = {"tensors": [torch.full(shape, float(index), dtype=dtype) for index, (dtype, shape) in enumerate(layout)]}
+    received = run_ranks(2, lambda group: recv_state(group, 0, CPU) if group.rank == 1
+                         else send_state(group, state, [1], CPU))[1]
+    assert_same(received, state)

@@ -40,6 +40,8 @@ from undying.protocol import (
 T = TypeVar("T")
 # How often the loop gives the machine the time when nothing else happens.
 TICK = 0.05
+# How often a held poll checks that its agent's connection is still open.
+PEER_CHECK = 0.1
 
 
 class NotInCharge(RuntimeError):
@@ -170,8 +172,9 @@ class Controller:
         with self._cond:
             return self.machine.membership.reserve_spare_id()
 
-    def poll(self, poll: AgentPoll) -> Order:
-        """An agent reports its workers and waits up to ``poll.wait`` s for its next order."""
+    def poll(self, poll: AgentPoll, connected: Callable[[], bool] | None = None) -> Order:
+        """An agent reports its workers and waits up to ``poll.wait`` s for its next order;
+        ``connected`` says whether the agent still holds the request open (its process lives)."""
         deadline = time.monotonic() + max(0.0, min(poll.wait, LONGEST_HOLD))
         with self._cond:
             self._check_in_charge()
@@ -182,7 +185,10 @@ class Controller:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, PEER_CHECK))
+                if connected is not None and not connected():
+                    self._apply(lambda now: self.machine.agent_disconnected(now, poll.node, poll.pid))
+                    return Order(kind=OrderKind.NONE, reason="hello")
             self._check_in_charge()  # orders queued by a controller that lost its lease are not handed out
             return self._apply(lambda now: self.machine.take_order(now, node))
 
@@ -191,6 +197,12 @@ class Controller:
         with self._cond:
             self._check_in_charge()
             self._apply(lambda now: self.machine.agent_report(now, poll))
+
+    def agent_disconnected(self, node_id: int, pid: int) -> None:
+        """The connection an agent polled on closed (its process may have died)."""
+        with self._cond:
+            if not self.deposed and self.in_charge():
+                self._apply(lambda now: self.machine.agent_disconnected(now, node_id, pid))
 
     def report_agent_exit(self, node_id: int, returncode: int | None) -> None:
         """The launcher saw a local agent process end (a simulated node's death)."""

@@ -20,6 +20,9 @@ EXIT_GRACE = 10.0
 STEP_FAILED_GRACE = 0.5
 # After a controller failover: how much longer than one long poll a live agent may take to show up.
 UNCONFIRMED_GRACE = 4.0
+# A live agent whose poll connection closed reconnects at once; one that does not poll again
+# within this long after the close is lost (seconds, not the silence timeout of a vanished host).
+DISCONNECT_GRACE = 1.0
 # Heartbeats are logged at most this often per rank.
 HEARTBEAT_LOG_EVERY = 0.5
 # The longest an agent's poll or a worker's check-in is held open.
@@ -32,6 +35,7 @@ class Deadlines:
 
     agent_lost_after: float  # no poll from a confirmed agent for this long: its node is lost
     unconfirmed_agent_lost_after: float  # after a failover: an agent not heard from since is lost
+    disconnected_agent_lost_after: float  # an agent whose poll connection closed and that did not poll again
     node_return: float  # waiting for every node, at the start and at a restart
     recovery: float  # a process-level recovery (or the regroup of a grow) must form its generation
     grow_start: float  # returned ranks must start before a grow is tried
@@ -48,6 +52,7 @@ class Deadlines:
         return cls(
             agent_lost_after=spec.monitor_interval * 2 + 5.0,
             unconfirmed_agent_lost_after=spec.monitor_interval + UNCONFIRMED_GRACE,
+            disconnected_agent_lost_after=DISCONNECT_GRACE,
             node_return=spec.node_return_timeout,
             recovery=spec.start_timeout + spec.comm_timeout,
             grow_start=spec.start_timeout,

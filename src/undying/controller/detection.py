@@ -62,8 +62,15 @@ class FaultDetector:
         """Live agents not heard from for too long, with why."""
         silent = []
         for node in self.membership.nodes.values():
+            if not node.alive or node.exit_delivered:
+                continue
+            if node.disconnected_since is not None \
+                    and now - node.disconnected_since > self.deadlines.disconnected_agent_lost_after:
+                silent.append((node, f"its connection closed {now - node.disconnected_since:.1f} s ago and it "
+                                     "did not poll again"))
+                continue
             limit = self.deadlines.agent_lost_after if node.confirmed else self.deadlines.unconfirmed_agent_lost_after
-            if node.alive and not node.exit_delivered and now - node.last_seen > limit:
+            if now - node.last_seen > limit:
                 what = "no poll" if node.confirmed else "no poll since the controller failed over"
                 silent.append((node, f"{what} for {now - node.last_seen:.1f} s"))
         return silent
@@ -84,14 +91,17 @@ class FaultDetector:
             return None
         if self.pending:
             return self.pending.pop(0)
+        # A node whose agent's connection just closed may be gone: its ranks' silence and the
+        # survivors' failed steps are symptoms of it until it polls again or is declared lost.
+        suspect = membership.suspect_nodes()
         for record in membership.ranks.values():
-            if not membership.node_alive(record.node):
+            if not membership.node_alive(record.node) or record.node in suspect:
                 continue  # the node's agent_lost fault covers its ranks
             fault = self._rank_fault(record, now, generation)
             if fault is not None:
                 return fault
         everyone_reported = len({fault.rank for _, fault in self.step_failures}) == len(membership.ranks)
-        if self.step_failures and (everyone_reported
+        if self.step_failures and not suspect and (everyone_reported
                                    or now - self.step_failures[0][0] >= self.deadlines.step_failed_grace):
             _, fault = self.step_failures.pop(0)
             self.step_failures.clear()

@@ -161,6 +161,7 @@ class JobMachine:
             return None
         node.last_seen = now
         node.confirmed = True
+        node.disconnected_since = None
         for raw in poll.workers:
             status = WorkerStatus.from_dict(raw)
             node.workers[status.rank] = status
@@ -180,6 +181,18 @@ class JobMachine:
         if order.kind == OrderKind.ADOPT and self.membership.nodes.get(node.node) is node:
             del self.membership.nodes[node.node]  # it says hello again as the node it adopts
         return order
+
+    def agent_disconnected(self, now: float, node_id: int, pid: int) -> None:
+        """The connection an agent polled on closed. A live agent polls again at once (its client
+        reconnects); one that does not within ``disconnected_agent_lost_after`` is lost (detection.py),
+        and until then a survivor's failed step is not taken for the fault."""
+        self.now = now
+        node = self.membership.nodes.get(node_id)
+        if node is None or not node.alive or node.exit_delivered or (pid and node.pid and pid != node.pid):
+            return
+        if node.disconnected_since is None:
+            node.disconnected_since = now
+            self.emit(ev.AGENT_DISCONNECTED, node=node_id, generation=self.generation, details={"pid": pid})
 
     def agent_exited(self, now: float, agent_id: int, returncode: int | None) -> None:
         """The launcher saw a local agent process end (a simulated node's death)."""

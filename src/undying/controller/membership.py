@@ -29,6 +29,7 @@ class NodeRecord:
     standby: bool = False  # a spare: no ranks; takes over a lost node's place when ordered to
     confirmed: bool = True  # False: known only from a failed-over controller's saved state, not polled yet
     adopting: int | None = None  # the node whose place this spare was ordered to take
+    disconnected_since: float | None = None  # its poll connection closed then, and it has not polled since
 
     def running_workers(self) -> list[WorkerStatus]:
         return [status for status in self.workers.values() if status.state == WorkerState.RUNNING]
@@ -95,6 +96,10 @@ class Membership:
 
     def all_nodes_alive(self) -> bool:
         return self.alive_nodes() == set(range(self.nnodes))
+
+    def suspect_nodes(self) -> set[int]:
+        """Live nodes whose agent's connection closed and who have not polled again yet."""
+        return {n.node for n in self.nodes.values() if n.alive and not n.standby and n.disconnected_since is not None}
 
     def missing_nodes(self) -> list[int]:
         return sorted(set(range(self.nnodes)) - self.alive_nodes())

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hmac
 import json
+import select
+import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -95,6 +97,24 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
         # flushes), and TCP_NODELAY sends it at once.
         wbufsize = -1
         disable_nagle_algorithm = True
+        # The agent (node, pid) whose polls this connection carries: when it closes, the agent may be gone.
+        polling_agent: tuple[int, int] | None = None
+
+        def handle(self) -> None:
+            try:
+                super().handle()
+            finally:
+                if self.polling_agent is not None:
+                    controller.agent_disconnected(*self.polling_agent)
+
+        def _connected(self) -> bool:
+            """False once the client closed this connection (a request in flight is never followed
+            by another before its answer, so anything readable now is the close)."""
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
+            except OSError:
+                return False
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base-class signature
             return
@@ -175,7 +195,9 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
             if self.path == ROUTE_AGENT_HELLO:
                 self._json(controller.hello(AgentHello.from_dict(payload)).to_dict())
             elif self.path == ROUTE_AGENT_POLL:
-                self._json(controller.poll(AgentPoll.from_dict(payload)).to_dict())
+                poll = AgentPoll.from_dict(payload)
+                self.polling_agent = (poll.node, poll.pid)
+                self._json(controller.poll(poll, connected=self._connected).to_dict())
             elif self.path == ROUTE_AGENT_REPORT:
                 controller.report(AgentPoll.from_dict(payload))
                 self._json({"ok": True})

@@ -2,14 +2,15 @@
 
 Runs in the worker. A state (nested dicts/lists with tensors: what ``TrainingState.replica_state``
 returns) travels as a small pickled skeleton (the structure, every non-tensor value, each
-tensor's dtype and shape) followed by each tensor with the backend's own send or broadcast: no
-serialization of tensor data, and with NCCL the tensors stay on the device. ``broadcast_state``
-carries a T2 restore from rank 0 to all; ``send_state``/``recv_state`` carry a repair from the
-source replica to the replacement ranks only.
+tensor's dtype and shape) followed by the tensors packed by dtype into a few buckets, each one
+message with the backend's own send or broadcast: no serialization of tensor data, and with NCCL
+the tensors stay on the device. ``broadcast_state`` carries a T2 restore from rank 0 to all;
+``send_state``/``recv_state`` carry a repair from the source replica to the replacement ranks only.
 """
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Sequence
 from typing import Any
@@ -19,11 +20,31 @@ import torch
 from undying.checkpoint.state_tree import flatten_state, unflatten_state
 from undying.runtime.pg import GenerationGroup
 
-SIZE_TAG = 0  # point-to-point tags: the skeleton's length, the skeleton, then one per tensor
+SIZE_TAG = 0  # point-to-point tags: the skeleton's length, the skeleton, then one per bucket
 SKELETON_TAG = 1
-FIRST_TENSOR_TAG = 2
+FIRST_BUCKET_TAG = 2
+# Tensors travel packed into buckets of one dtype, each one message: a message per tensor costs a
+# round trip each (a few ms with gloo), which for an optimizer's hundreds of tensors was most of a repair.
+BUCKET_BYTES = 64 << 20
 
 Layout = list[tuple[torch.dtype, tuple[int, ...]]]
+# A bucket: a dtype and the indices (in skeleton order) of the tensors packed into it.
+Bucket = tuple[torch.dtype, list[int]]
+
+
+def buckets_of(layout: Layout) -> list[Bucket]:
+    """Consecutive tensors of one dtype, up to BUCKET_BYTES each (a larger tensor is a bucket alone)."""
+    buckets: list[Bucket] = []
+    size = 0
+    for index, (dtype, shape) in enumerate(layout):
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if buckets and buckets[-1][0] == dtype and size + nbytes <= BUCKET_BYTES:
+            buckets[-1][1].append(index)
+            size += nbytes
+        else:
+            buckets.append((dtype, [index]))
+            size = nbytes
+    return buckets
 
 
 def encode(state: Any) -> tuple[Any, list[torch.Tensor], bytes]:
@@ -33,19 +54,37 @@ def encode(state: Any) -> tuple[Any, list[torch.Tensor], bytes]:
     return skeleton, tensors, pickle.dumps((skeleton, layout), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _skeleton_and_buffers(payload: torch.Tensor, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
-    """The receiving side: the skeleton, and an empty tensor for each tensor that will arrive."""
+def _decode(payload: torch.Tensor) -> tuple[Any, Layout]:
     # Only bytes this job's own ranks sent over the job's process group.
-    skeleton, layout = pickle.loads(payload.cpu().numpy().tobytes())  # noqa: S301
-    return skeleton, [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in layout]
+    return pickle.loads(payload.cpu().numpy().tobytes())  # noqa: S301
 
 
 def _as_bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
-def _on_device(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    return [tensor.to(device).contiguous() for tensor in tensors]
+def _packed(tensors: Sequence[torch.Tensor], buckets: list[Bucket], device: torch.device) -> list[torch.Tensor]:
+    """Each bucket's tensors, flattened and concatenated on ``device``."""
+    return [torch.cat([tensors[index].detach().reshape(-1).to(device) for index in indices])
+            for _, indices in buckets]
+
+
+def _empty_buckets(layout: Layout, buckets: list[Bucket], device: torch.device) -> list[torch.Tensor]:
+    return [torch.empty(sum(math.prod(layout[index][1]) for index in indices), dtype=dtype, device=device)
+            for dtype, indices in buckets]
+
+
+def _unpacked(packed: list[torch.Tensor], layout: Layout, buckets: list[Bucket]) -> list[torch.Tensor]:
+    """The tensors back out of their buckets, each its own (cloned) storage, in skeleton order."""
+    tensors: list[torch.Tensor | None] = [None] * len(layout)
+    for bucket, (_, indices) in zip(packed, buckets, strict=True):
+        offset = 0
+        for index in indices:
+            shape = layout[index][1]
+            numel = math.prod(shape)
+            tensors[index] = bucket[offset:offset + numel].view(shape).clone()
+            offset += numel
+    return [tensor for tensor in tensors if tensor is not None]
 
 
 def broadcast_state(group: GenerationGroup, state: Any, src: int, device: torch.device) -> Any:
@@ -61,28 +100,35 @@ def broadcast_state(group: GenerationGroup, state: Any, src: int, device: torch.
     else:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     group.broadcast(payload, src)
+    skeleton_received, layout = _decode(payload)
+    buckets = buckets_of(layout)
     if group.rank == src:
-        tensors = _on_device(tensors, device)
+        packed = _packed(tensors, buckets, device)
     else:
-        skeleton, tensors = _skeleton_and_buffers(payload, device)
-    for tensor in tensors:
-        if tensor.numel():
-            group.broadcast(tensor, src)
-    return unflatten_state(skeleton, tensors)
+        skeleton = skeleton_received
+        packed = _empty_buckets(layout, buckets, device)
+    for bucket in packed:
+        if bucket.numel():
+            group.broadcast(bucket, src)
+    if group.rank == src:
+        return unflatten_state(skeleton, [tensor.to(device) for tensor in tensors])
+    return unflatten_state(skeleton, _unpacked(packed, layout, buckets))
 
 
 def send_state(group: GenerationGroup, state: Any, destinations: Sequence[int], device: torch.device) -> None:
     """``state`` to each group rank in ``destinations``, one after the other (each calls ``recv_state``)."""
     _, tensors, skeleton_bytes = encode(state)
+    layout: Layout = [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
+    buckets = buckets_of(layout)
     size = torch.tensor([len(skeleton_bytes)], dtype=torch.int64, device=device)
     payload = _as_bytes_tensor(skeleton_bytes, device)
-    tensors = _on_device(tensors, device)
+    packed = _packed(tensors, buckets, device)
     for destination in destinations:
         group.send(size, destination, SIZE_TAG)
         group.send(payload, destination, SKELETON_TAG)
-        for index, tensor in enumerate(tensors):
-            if tensor.numel():
-                group.send(tensor, destination, FIRST_TENSOR_TAG + index)
+        for index, bucket in enumerate(packed):
+            if bucket.numel():
+                group.send(bucket, destination, FIRST_BUCKET_TAG + index)
 
 
 def recv_state(group: GenerationGroup, src: int, device: torch.device) -> Any:
@@ -91,8 +137,10 @@ def recv_state(group: GenerationGroup, src: int, device: torch.device) -> Any:
     group.recv(size, src, SIZE_TAG)
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     group.recv(payload, src, SKELETON_TAG)
-    skeleton, tensors = _skeleton_and_buffers(payload, device)
-    for index, tensor in enumerate(tensors):
-        if tensor.numel():
-            group.recv(tensor, src, FIRST_TENSOR_TAG + index)
-    return unflatten_state(skeleton, tensors)
+    skeleton, layout = _decode(payload)
+    buckets = buckets_of(layout)
+    packed = _empty_buckets(layout, buckets, device)
+    for index, bucket in enumerate(packed):
+        if bucket.numel():
+            group.recv(bucket, src, FIRST_BUCKET_TAG + index)
+    return unflatten_state(skeleton, _unpacked(packed, layout, buckets))
