@@ -3,7 +3,9 @@ and a restore's ranks get is bitwise what the source holds, over a real gloo gro
 
 from __future__ import annotations
 
+import datetime
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -104,3 +106,27 @@ def test_tensors_travel_in_few_buckets_of_one_dtype_each(monkeypatch) -> None:
     received = run_ranks(2, lambda group: recv_state(group, 0, CPU) if group.rank == 1
                          else send_state(group, state, [1], CPU))[1]
     assert_same(received, state)
+
+
+def test_a_start_up_rendezvous_waits_as_long_as_its_caller_says_not_comm_timeout() -> None:
+    """Rank 1 arrives 0.6 s late (still importing torch, at start): gather_objects and read wait the
+    start-up allowance they are given, although the group's comm_timeout is 0.2 s."""
+    store = torch.distributed.HashStore()
+    results: list[Any] = [None, None]
+
+    def rank(index: int) -> None:
+        group = GenerationGroup(store, "startup", 1, index, 2, "gloo", 20.0, CPU)
+        group.comm_timeout_s, group.comm_timeout = 0.2, datetime.timedelta(seconds=0.2)  # after the build
+        if index == 1:
+            time.sleep(0.6)
+        gathered = group.gather_objects("held", str(index).encode(), timeout=5.0)
+        if gathered is not None:
+            group.publish("plan", b"+".join(gathered))
+        results[index] = group.read("plan", timeout=5.0)
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert results == [b"0+1", b"0+1"]

@@ -187,20 +187,23 @@ class GenerationGroup:
         except Exception as error:
             raise CollectiveError("recv", self.rank, self.generation, error) from None
 
-    def gather_objects(self, key: str, value: bytes) -> list[bytes] | None:
-        """Every rank hands ``value`` to rank 0 through the store; rank 0 gets them all (in rank order)."""
+    def gather_objects(self, key: str, value: bytes, timeout: float) -> list[bytes] | None:
+        """Every rank hands ``value`` to rank 0 through the store; rank 0 gets them all (in rank order),
+        waiting up to ``timeout`` s: the caller's phase decides (a start-up rendezvous waits for ranks
+        still importing torch, which ``comm_timeout`` was never meant to cover)."""
         self.store.set(f"{key}/{self.rank}", value)  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
         if self.rank != 0:
             return None
         keys = [f"{key}/{rank}" for rank in range(self.world_size)]
-        self.store.wait(keys, self.comm_timeout)
+        self.store.wait(keys, datetime.timedelta(seconds=timeout))
         return [self.store.get(k) for k in keys]
 
     def publish(self, key: str, value: bytes) -> None:
         self.store.set(key, value)  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
 
-    def read(self, key: str) -> bytes:
-        self.store.wait([key], self.comm_timeout)
+    def read(self, key: str, timeout: float) -> bytes:
+        """The value another rank published under ``key``, waiting up to ``timeout`` s for it."""
+        self.store.wait([key], datetime.timedelta(seconds=timeout))
         return self.store.get(key)
 
     def abandon(self) -> None:

@@ -84,6 +84,9 @@ class CheckpointEngine:
                  injections: InjectionPoints, root: Location, job_id: str | None) -> None:
         self.spec = spec.checkpoint
         self._records_timeout = max(RECORDS_TIMEOUT_MIN_S, 2 * spec.comm_timeout)
+        # The restore at start is a start-up rendezvous: ranks may still be importing torch, and rank 0
+        # reads T2 before it publishes the plan; start_timeout is the allowance for both.
+        self._restore_timeout = spec.start_timeout
         self.state = state
         self.membership = membership
         self.reporter = reporter
@@ -256,12 +259,12 @@ class CheckpointEngine:
         started = time.time()
         group = membership.current_group()
         held = [info.step for info in self.snapshots.committed() if info.world_size == membership.world_size]
-        gathered = group.gather_objects("restore/t1", json.dumps(held).encode())
+        gathered = group.gather_objects("restore/t1", json.dumps(held).encode(), self._restore_timeout)
         loaded: dict[str, Any] | None = None
         if gathered is not None:
             plan, loaded = self._choose([set(json.loads(blob)) for blob in gathered])
             group.publish("restore_plan", json.dumps(plan).encode())
-        plan = json.loads(group.read("restore_plan"))
+        plan = json.loads(group.read("restore_plan", self._restore_timeout))
         source, step = plan["source"], plan["step"]
         if source == SOURCE_MEMORY:
             # Into the live tensors where they exist (the model's parameters; optimizer state once it
