@@ -702,6 +702,61 @@ def test_a_second_exit_of_a_checked_in_rank_fails_the_recovery_and_restarts_the_
     assert job.controller.recover(survivor(job, 1, 7, wait=0.0)).action == PlanAction.EXIT
 
 
+def test_a_failed_recover_in_place_falls_through_to_recover_then_elastic_training(make_job):
+    """Rank 2 hangs and recover-in-place is ordered from its node's agent, which then turns out to
+    be gone too (a frozen host): the chain goes on in order with what is known now, recover for the
+    lost node, then elastic training once it has not come back, never marking untried strategies
+    failed and never restarting the job."""
+    job = recovering_job(make_job, recover_strategy=["recover-in-place", "recover", "elastic-training"],
+                         wait_reschedule_timeout=30)
+    while not job.events(ev.DECISION):  # ranks 0, 1 and 3 beat, both agents poll; rank 2 is silent
+        for rank in (0, 1, 3):
+            job.beat(rank, 7)
+        for node in (0, 1):
+            job.poll(node, 1, job.statuses(node, 1))
+        job.advance(0.5)
+    [first] = job.events(ev.DECISION)
+    assert (first.details["strategy"], first.details["lost_ranks"]) == ("recover-in-place", [2])
+    job.controller.report_agent_exit(1, -9)
+    job.wait_for(lambda: len(job.events(ev.DECISION)) == 2)
+    [failed] = job.events(ev.RECOVERY_FAILED)
+    assert failed.details["strategy"] == "recover-in-place"
+    second = job.events(ev.DECISION)[1]
+    assert (second.details["strategy"], second.details["lost_ranks"]) == ("recover", [2, 3])
+    assert "recover-in-place: already failed" in second.details["reason"]
+    assert "elastic-training: already failed" not in second.details["reason"]
+    # Node 1 never comes back: after wait_reschedule_timeout the survivors train on without it.
+    for rank in (0, 1):
+        assert job.controller.recover(survivor(job, rank, 7, wait=0.0)).action == PlanAction.WAIT
+    deadline = job.now() + job.spec.wait_reschedule_timeout + 5
+    while not job.events(ev.ELASTIC_SHRINK) and job.now() < deadline:  # the survivors wait, alive
+        for rank in (0, 1):
+            job.beat(rank, 7, phase=Phase.RECOVERING)
+        job.poll(0, 1, job.statuses(0, 1))
+        job.advance(1.0)
+    assert job.events(ev.ELASTIC_SHRINK), [e.kind for e in job.events()][-8:]
+    plans = check_in_together(job, [survivor(job, 0, 7), survivor(job, 1, 7)])
+    assert {(plan.action, plan.strategy, tuple(plan.members)) for plan in plans.values()} == {
+        (PlanAction.RESUME, "elastic-training", (0, 1))}
+    assert job.events(ev.RESTART_BEGIN) == []
+
+
+def test_a_failed_recover_in_place_falls_through_to_the_dump_when_it_applies(make_job):
+    """A survivor dies after checking in: recover-in-place cannot finish; with 4 of 6 ranks healthy
+    the dying checkpoint is next in the chain, before any job restart."""
+    job = recovering_job(make_job, nproc_per_node=3, recover_strategy=["recover-in-place", "dump"])
+    report_exit(job, 5)
+    assert job.next_order(1, 1).kind == OrderKind.REPLACE
+    assert job.controller.recover(survivor(job, 0, 7, wait=0.0)).action == PlanAction.WAIT
+    report_exit(job, 0)
+    job.wait_for(lambda: len(job.events(ev.DECISION)) == 2)
+    second = job.events(ev.DECISION)[1]
+    assert (second.details["strategy"], second.details["lost_ranks"]) == ("dump", [0, 5])
+    [dump] = job.events(ev.DUMP_BEGIN)
+    assert dump.details["survivors"] == [1, 2, 3, 4]
+    assert job.events(ev.RESTART_BEGIN) == []
+
+
 def test_a_recovery_past_its_deadline_fails_and_the_job_restarts(make_job):
     # The deadline is start_timeout + comm_timeout after the fault; the lost node never returns.
     job = recovering_job(make_job, start_timeout=0.8, comm_timeout=0.2)

@@ -325,9 +325,10 @@ class JobMachine:
 
     # ---------------------------------------------------------------- generations (used by the strategies)
 
-    def act_on(self, fault: Fault, now: float, excluded: frozenset[StrategyName] = frozenset()) -> None:
+    def act_on(self, fault: Fault, now: float, excluded: frozenset[StrategyName] = frozenset(),
+               stateless: set[int] | None = None) -> None:
         """Let the chain decide again (a recovery failed: without the strategies in ``excluded``)."""
-        strategies.act_on(self, fault, now, excluded)
+        strategies.act_on(self, fault, now, excluded, stateless)
 
     def transition(self, target: JobState) -> None:
         check_transition(self.state, target)

@@ -42,6 +42,7 @@ class ActiveRecovery:
     may_shrink: bool = False  # elastic training enabled: awaited nodes may be dropped
     reschedule_deadline: float = 0.0  # when awaited nodes are dropped (wait_reschedule_timeout)
     grow: bool = False  # an elastic grow-back, not a fault
+    tried: set[StrategyName] = field(default_factory=set)  # strategies that already failed for this fault
 
     @property
     def world_size(self) -> int:

@@ -92,9 +92,11 @@ def handle_fault(job: JobMachine, fault: Fault, now: float) -> None:
     act_on(job, fault, now)
 
 
-def act_on(job: JobMachine, fault: Fault, now: float, excluded: frozenset[StrategyName] = frozenset()) -> None:
-    """Decide which strategy handles ``fault`` (skipping ``excluded``) and start it."""
-    lost = _lost_ranks(job, fault)
+def act_on(job: JobMachine, fault: Fault, now: float, excluded: frozenset[StrategyName] = frozenset(),
+           stateless: set[int] | None = None) -> None:
+    """Decide which strategy handles ``fault`` (skipping ``excluded``) and start it; ``stateless``:
+    ranks alive or starting that hold no committed state (a failed recovery's newcomers)."""
+    lost = _lost_ranks(job, fault) | (set(stateless or ()) & set(job.membership.members))
     step = job.membership.committed_step()
     decision = decide(fault, _context(job, lost, excluded, step))
     job.emit(ev.DECISION, generation=job.generation, step=fault.step,

@@ -3,7 +3,8 @@
 Runs in the controller, inside the job machine. An executor owns its strategy whole:
 whether it applies to a fault (``applies``), how it starts (``start``), what it does while
 time passes (``progress``), how long it may take (``deadline``), and what the chain skips
-once it failed (``fallback``). The chain that walks them is in ``__init__.py``.
+once it failed (``fallback``: only what was tried, so the chain falls through in order). The
+chain that walks them is in ``__init__.py``.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class Executor(Protocol):
     def deadline(self, deadlines: Deadlines) -> float:
         """Seconds the recovery may take from its start before it fails."""
 
-    def fallback(self) -> frozenset[StrategyName]:
-        """The strategies the chain skips once this one failed for a fault."""
+    def fallback(self, tried: frozenset[StrategyName]) -> frozenset[StrategyName]:
+        """The strategies the chain skips once this one failed for a fault (``tried``: those that
+        already failed for it): only strategies that were tried, so the chain falls through in order."""
 
 
 def within_budget(context: RecoveryContext) -> str | None:

@@ -67,8 +67,8 @@ class JobRestart:
     def deadline(self, deadlines: Deadlines) -> float:
         return deadlines.stop + deadlines.node_return
 
-    def fallback(self) -> frozenset[StrategyName]:
-        return frozenset({StrategyName.JOB_RESTART})
+    def fallback(self, tried: frozenset[StrategyName]) -> frozenset[StrategyName]:
+        return tried | {self.name}
 
 
 class Exit:
@@ -93,5 +93,5 @@ class Exit:
     def deadline(self, deadlines: Deadlines) -> float:
         return 0.0
 
-    def fallback(self) -> frozenset[StrategyName]:
-        return frozenset()
+    def fallback(self, tried: frozenset[StrategyName]) -> frozenset[StrategyName]:
+        return tried

@@ -6,7 +6,7 @@ formed from the survivors (who check in with the committed step they hold) and t
 newcomers (restarted ranks, or a lost node's ranks on its returning or adopting agent);
 once everyone has checked in, the plan names the step, the source replica and the
 receivers. A second fault it can take in is absorbed; otherwise it fails and the chain
-goes on without the strategies in ``fallback()``.
+goes on with the next strategy in the chain that applies to what is known now.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from undying.controller.strategies.resize import shrink
 from undying.events import Event
 from undying.faults import PROCESS_FAULTS, Fault, FaultReason
 from undying.protocol import PlanAction
-from undying.strategy_names import CHAIN_ORDER, StrategyName
+from undying.strategy_names import StrategyName
 
 if TYPE_CHECKING:
     from undying.controller.machine import JobMachine
@@ -40,9 +40,10 @@ class ProcessRecovery:
     def deadline(self, deadlines: Deadlines) -> float:
         return deadlines.recovery
 
-    def fallback(self) -> frozenset[StrategyName]:
-        # A failed process-level recovery is not tried again in another form: a job restart follows.
-        return frozenset(CHAIN_ORDER)
+    def fallback(self, tried: frozenset[StrategyName]) -> frozenset[StrategyName]:
+        # MindCluster's order: a failed recover-in-place goes on to recover, elastic training, dump,
+        # then a job restart, each only if it applies to what is known now.
+        return tried | {self.name}
 
     def on_worker_event(self, job: JobMachine, event: Event, now: float) -> None:
         return None
@@ -58,7 +59,8 @@ class ProcessRecovery:
         members = job.membership.members
         survivors = set(members) - lost
         recovery = ActiveRecovery(self.name, fault, old_generation, job.generation, list(members),
-                                  survivors=survivors, started=now, deadline=now + self.deadline(job.deadlines))
+                                  survivors=survivors, started=now, deadline=now + self.deadline(job.deadlines),
+                                  tried=set(attempt.excluded))
         self.gather_newcomers(job, recovery, lost, now, attempt.excluded)
         job.recovery = recovery
         job.transition(JobState.RECOVERING)
@@ -163,20 +165,23 @@ class ProcessRecovery:
             recovery.survivors.discard(rank)
             recovery.newcomers.add(rank)
             if recovery.strategy == StrategyName.RETRY:
+                recovery.tried.add(StrategyName.RETRY)
                 recovery.strategy = StrategyName.RECOVER_IN_PLACE
             job.replace(record.node, [rank], now)
             return bool(recovery.survivors)
         return False
 
     def fail(self, job: JobMachine, why: str, fault: Fault | None, now: float) -> None:
-        """The recovery cannot finish: log it and let the chain decide again without ``fallback()``."""
+        """The recovery cannot finish: log it and let the chain decide again, on the newest fault,
+        without the strategies tried for it. Its newcomers hold no state yet: they count as lost."""
         recovery = job.recovery
         assert recovery is not None
         job.emit(ev.RECOVERY_FAILED, generation=job.generation, details={"strategy": recovery.strategy, "why": why})
         job.count_fault(FaultReason.RECOVERY_FAILED)
         job.recovery = None
         job.transition(JobState.RUNNING)
-        job.act_on(fault or recovery.fault, now, self.fallback())
+        tried = self.fallback(frozenset(recovery.tried))
+        job.act_on(fault or recovery.fault, now, tried, stateless=set(recovery.newcomers))
 
 
 class Retry(ProcessRecovery):

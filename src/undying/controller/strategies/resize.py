@@ -39,6 +39,7 @@ def shrink(job: JobMachine, recovery: ActiveRecovery, now: float) -> str | None:
     recovery.newcomers -= dropped
     recovery.newcomers_ready -= dropped
     recovery.awaited_nodes.clear()
+    recovery.tried.add(StrategyName(recovery.strategy))  # if the shrunk recovery fails, both were tried
     recovery.strategy = StrategyName.ELASTIC
     recovery.deadline = now + job.deadlines.recovery
     for rank in dropped:
