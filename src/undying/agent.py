@@ -28,9 +28,11 @@ from undying.locate import locator_from_env
 from undying.procs import die_with_parent, signal_name, stop_processes
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
+    ROUTE_AGENT_LEAVE,
     ROUTE_AGENT_POLL,
     ROUTE_AGENT_REPORT,
     AgentHello,
+    AgentLeave,
     AgentPoll,
     HelloReply,
     Order,
@@ -49,6 +51,8 @@ STANDBY_DELAY = 5.0  # seconds after a start before the node pre-starts its warm
 # (a frozen controller accepts connections and never answers): in a failover job the agent then
 # looks for the new leader, well before the new leader gives up on this node.
 POLL_MARGIN = 2.0
+# How long a leaving agent waits for the controller to take note before it stops its workers anyway.
+LEAVE_TIMEOUT = 3.0
 
 
 class AgentStopped(Exception):
@@ -90,6 +94,7 @@ class Agent:
         self.standby_target = spec.nproc_per_node
         self.standby_due: float | None = None  # when to pre-start the next warm standby
         self._stopping = False
+        self._leaving: str | bool = False  # the signal that stopped this agent before the job ended
 
     @property
     def controller_address(self) -> str:
@@ -105,6 +110,7 @@ class Agent:
             self._claim_shared_memory()
             return self._loop()
         except AgentStopped:
+            self._announce_leave()
             return 0
         except Unauthorized as error:
             print(f"undying agent {self.node}: {error}", file=sys.stderr)
@@ -116,8 +122,24 @@ class Agent:
                 remove_node_dir(self.job_id, self.node)  # this node's T1 snapshots end with the job
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        self._leaving = not self._stopping and signal.Signals(signum).name
         self._stopping = True
         raise AgentStopped()
+
+    def _announce_leave(self) -> None:
+        """Stopped by a signal (a preempted or drained pod gets SIGTERM): tell the controller before the
+        workers stop, so it handles a node that left (a spare, or a shrink without waiting for it),
+        not a mystery. On a fresh connection: the signal may have cut a request on the main one."""
+        if not self._leaving or not self.job_id or self.spare:
+            return
+        client = ControllerClient(self.controller_address, self.token, timeout=LEAVE_TIMEOUT, locator=self.locator)
+        try:
+            client.post(ROUTE_AGENT_LEAVE, AgentLeave(self.node, os.getpid(), socket.gethostname(),
+                                                      f"{self._leaving} to its undying run").to_dict())
+        except (ControllerUnreachable, Unauthorized):
+            pass  # the controller finds the node gone when its connection closes
+        finally:
+            client.close()
 
     def _hello(self) -> None:
         deadline = time.monotonic() + self.spec.node_return_timeout
@@ -251,7 +273,7 @@ class Agent:
             restart_count=order.restart_count, joining=joining, controller=self.controller_address,
             token=self.token, job_id=self.job_id, run_dir=self.run_dir, spec=self.spec,
             injections_text=self.injections_text, store_prefix=f"undying/{self.job_id}",
-            master_addr=master_addr, master_port=order.store_port)
+            master_addr=master_addr, master_port=order.store_port, members=tuple(order.members))
         env = {**os.environ, **worker_env.to_environ()}
         env.pop(ENV_DIE_WITH_PARENT, None)
         log_path = log_dir / f"rank{rank}.log"

@@ -31,14 +31,14 @@ PROCESS_FAULTS = frozenset({FaultReason.WORKER_EXIT, FaultReason.HEARTBEAT_MISSE
 
 
 def describe_fault(reason: str, rank: int | None = None, node: int | None = None, exitcode: int | None = None,
-                   signal: str | None = None, detail: str = "") -> str:
+                   signal: str | None = None, detail: str = "", planned: bool = False) -> str:
     """One line for a person: where the fault is and what it was."""
     where = f"rank {rank}" if rank is not None else f"node {node}"
     if reason == FaultReason.WORKER_EXIT:
         how = f"killed by {signal}" if signal else f"exit code {exitcode}"
         return f"{where} exited ({how})"
     if reason == FaultReason.AGENT_LOST:
-        return f"node {node} lost (agent gone)"
+        return f"node {node} left the job ({detail or 'planned'})" if planned else f"node {node} lost (agent gone)"
     if reason == FaultReason.HEARTBEAT_MISSED:
         return f"{where} missed its heartbeats (hang?)"
     if reason == FaultReason.STEP_STALLED:
@@ -59,6 +59,8 @@ class Fault:
     exitcode: int | None = None
     signal: str | None = None
     detail: str = ""
+    planned: bool = False  # announced by the node itself (a planned leave), not discovered
 
     def describe(self) -> str:
-        return describe_fault(self.reason, self.rank, self.node, self.exitcode, self.signal, self.detail)
+        return describe_fault(self.reason, self.rank, self.node, self.exitcode, self.signal, self.detail,
+                              self.planned)

@@ -17,6 +17,7 @@ PROTOCOL_VERSION = 1
 ROUTE_AGENT_HELLO = "/v1/agent/hello"
 ROUTE_AGENT_POLL = "/v1/agent/poll"
 ROUTE_AGENT_REPORT = "/v1/agent/report"  # worker statuses only, sent the moment a worker exits
+ROUTE_AGENT_LEAVE = "/v1/agent/leave"  # the node is leaving (its undying run got SIGTERM: preempted, drained)
 ROUTE_WORKER_RECOVER = "/v1/worker/recover"  # a worker whose step failed checks in, waits for a plan
 ROUTE_WORKER_HEARTBEAT = "/v1/worker/heartbeat"
 ROUTE_EVENT = "/v1/event"
@@ -130,6 +131,16 @@ class AgentPoll(Message):
 
 
 @dataclass
+class AgentLeave(Message):
+    """A node's agent says it is leaving the job before it stops its workers (a planned leave)."""
+
+    node: int
+    pid: int
+    hostname: str
+    reason: str = ""
+
+
+@dataclass
 class Order(Message):
     kind: str = OrderKind.NONE
     generation: int = 0
@@ -139,6 +150,9 @@ class Order(Message):
     restart_count: int = 0
     reason: str = ""
     node: int = -1  # OrderKind.ADOPT: the node whose place the spare takes
+    # OrderKind.START: the generation's ranks in process-group order; empty means every rank of
+    # world_size. Fewer after an elastic shrink (a job restart at the shrunk size).
+    members: list[int] = field(default_factory=list)
 
 
 @dataclass

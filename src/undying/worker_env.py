@@ -25,6 +25,9 @@ ENV_INJECT = "UNDYING_INJECT"  # fault-injection specs, ";"-separated
 ENV_RESTART_COUNT = "UNDYING_RESTART_COUNT"
 ENV_STORE_PREFIX = "UNDYING_STORE_PREFIX"
 ENV_JOINING = "UNDYING_JOINING"  # "1": this worker replaces a lost rank in a live job
+# The generation's ranks in process-group order, comma-separated; empty: every rank of WORLD_SIZE.
+# Set when a job restarts at the size an elastic shrink left it (fewer ranks than WORLD_SIZE).
+ENV_MEMBERS = "UNDYING_MEMBERS"
 
 STANDALONE_RUN_DIR = "runs/standalone"
 STANDALONE_STORE_PREFIX = "undying/standalone"
@@ -57,6 +60,7 @@ class WorkerEnv:
     store_prefix: str = STANDALONE_STORE_PREFIX
     master_addr: str = ""  # the job's TCPStore (hosted by the controller)
     master_port: int = 0
+    members: tuple[int, ...] = ()  # the generation's ranks in group order; empty: every rank of world_size
 
     @property
     def store_address(self) -> tuple[str, int] | None:
@@ -90,6 +94,7 @@ class WorkerEnv:
             ENV_RESTART_COUNT: str(self.restart_count),
             ENV_STORE_PREFIX: self.store_prefix,
             ENV_JOINING: "1" if self.joining else "0",
+            ENV_MEMBERS: ",".join(str(rank) for rank in self.members),
         }
 
     @classmethod
@@ -114,4 +119,5 @@ class WorkerEnv:
             store_prefix=env.get(ENV_STORE_PREFIX, STANDALONE_STORE_PREFIX),
             master_addr=env.get("MASTER_ADDR", ""),
             master_port=int(env.get("MASTER_PORT") or "0"),
+            members=tuple(int(rank) for rank in env.get(ENV_MEMBERS, "").split(",") if rank.strip()),
         )

@@ -1,7 +1,8 @@
 """Elastic training with real processes: a node killed and kept away is dropped after the reschedule
 wait, the survivors train on in their own processes with the global batch kept; when the node
-returns the job grows back. Sample order is compared step by step with a fault-free run, loss and
-parameters within the tolerance of a changed float summation order (docs/elastic.md)."""
+returns the job grows back; a later job restart restarts at the shrunk size. Sample order is
+compared step by step with a fault-free run, loss and parameters within the tolerance of a
+changed float summation order (docs/elastic.md)."""
 
 from __future__ import annotations
 
@@ -40,10 +41,18 @@ def step_samples(records: list[dict]) -> list[int]:
     return sorted(index for record in records for loader in record["loaders"] for index in loader["indices"])
 
 
-def assert_same_samples_and_close(run: JobRun, reference: JobRun, steps: int) -> None:
+def last_run_of_each_step(samples: dict[int, list[dict]]) -> dict[int, list[dict]]:
+    """A job restart re-runs the steps after the checkpoint it loaded: keep each step's last run."""
+    return {step: [r for r in records if r["generation"] == max(r["generation"] for r in records)]
+            for step, records in samples.items()}
+
+
+def assert_same_samples_and_close(run: JobRun, reference: JobRun, steps: int, rerun: bool = False) -> None:
     assert run.returncode == 0, run.output + run.logs()
     assert run.result["final_step"] == steps
     samples, expected = run.samples(), reference.samples()
+    if rerun:
+        samples = last_run_of_each_step(samples)
     assert sorted(samples) == list(range(steps)) == sorted(expected)
     for step in range(steps):
         indices = step_samples(samples[step])
@@ -111,3 +120,43 @@ def test_below_min_nodes_elastic_training_is_refused_and_the_chain_falls_back(tm
     assert "elastic-training: 1 node(s) left, below min_nodes (2)" in decision.details["reason"]
     assert not run.kinds(ev.ELASTIC_SHRINK)
     assert "did not join within node_return_timeout" in run.output
+
+
+def test_a_job_restart_after_a_shrink_restarts_at_the_shrunk_size(reference_run: JobRun, tmp_path: Path) -> None:
+    """Shrunk to node 0 (node 1 kept away), then a worker of node 0 is killed: with elastic training
+    alone in the chain the fallback is a job restart, which starts ranks 0 and 1 again as the two
+    members at once, without waiting node_return_timeout (60 s) for node 1, from node memory."""
+    run = run_elastic(tmp_path, ["--inject", "node:node=1:step=10:down=600", "--inject", "kill:rank=1:step=20"])
+    assert_same_samples_and_close(run, reference_run, STEPS)
+    [shrink] = run.kinds(ev.ELASTIC_SHRINK)
+    assert shrink.details["new_world_size"] == 2
+    [decision] = [e for e in run.kinds(ev.DECISION) if e.details["strategy"] == "job-restart"]
+    assert "elastic-training: no node is lost" in decision.details["reason"]
+    [begin] = run.kinds(ev.RESTART_BEGIN)
+    [end] = run.kinds(ev.RESTART_END)
+    assert end.time - begin.time < 10, "the restart waited for the dropped node"
+    start = run.kinds(ev.GENERATION_START)[-1]
+    assert (start.generation, start.details["members"]) == (end.generation, [0, 1])
+    loads = [e for e in run.kinds(ev.CHECKPOINT_LOAD) if e.generation == end.generation]
+    assert {(e.rank, e.step, e.details["source"]) for e in loads} == {(0, 20, "memory"), (1, 20, "memory")}
+    assert run.result["replicas"] == 2 and run.result["generation"] == end.generation
+    assert {r["replicas"] for r in run.samples()[STEPS - 1]} == {2}
+
+
+def test_a_job_restart_after_a_shrink_restores_from_storage_at_the_shrunk_size(
+        reference_run: JobRun, tmp_path: Path) -> None:
+    """As above, with T1 snapshots only at checkpoint steps: the members hold no snapshot taken at
+    the shrunk size, so the restart loads the step-10 checkpoint the four ranks wrote and splits
+    its global batch over the two members (without their rank files: other members wrote it)."""
+    run = run_elastic(tmp_path, ["--set", "checkpoint.snapshot_interval=0",
+                                 "--inject", "node:node=1:step=13:down=600", "--inject", "kill:rank=1:step=17"],
+                      script_args=["--step-sleep", "0.1"])
+    assert_same_samples_and_close(run, reference_run, STEPS, rerun=True)
+    [begin] = run.kinds(ev.RESTART_BEGIN)
+    [end] = run.kinds(ev.RESTART_END)
+    assert end.time - begin.time < 10, "the restart waited for the dropped node"
+    loads = [e for e in run.kinds(ev.CHECKPOINT_LOAD) if e.generation == end.generation]
+    assert {(e.rank, e.step, e.details["source"]) for e in loads} == {(0, 10, "storage"), (1, 10, "storage")}
+    rerun = {r["rank"]: r["loaders"][0]["slots"] for r in run.samples()[12] if r["generation"] == end.generation}
+    assert rerun == {0: 2, 1: 2}
+    assert run.result["replicas"] == 2

@@ -25,6 +25,7 @@ from undying.controller.status import job_status
 from undying.events import Event, EventLog, read_events
 from undying.protocol import (
     AgentHello,
+    AgentLeave,
     AgentPoll,
     Heartbeat,
     HeartbeatReply,
@@ -114,6 +115,9 @@ class MachineController:
 
     def report(self, poll: AgentPoll) -> None:
         self._apply(lambda now: self.machine.agent_report(now, poll))
+
+    def agent_leaving(self, leave: AgentLeave) -> bool:
+        return self._apply(lambda now: self.machine.agent_leaving(now, leave))
 
     def agent_disconnected(self, node_id: int, pid: int) -> None:
         self._apply(lambda now: self.machine.agent_disconnected(now, node_id, pid))

@@ -20,6 +20,7 @@ from undying.controller.state import ALLOWED_TRANSITIONS, IllegalTransition, Job
 from undying.events import Event
 from undying.protocol import (
     AgentHello,
+    AgentLeave,
     AgentPoll,
     Heartbeat,
     InjectionClaim,
@@ -553,6 +554,51 @@ def test_an_agent_that_polls_again_after_its_connection_closed_is_not_lost(make_
     job.controller.agent_disconnected(1, 4242)
     job.keep_beating(2, 7, seconds=2.0)
     assert job.events(ev.AGENT_LOST) == []
+
+
+def leave(job: Job, node: int, pid: int | None = None) -> bool:
+    """Node ``node``'s agent got SIGTERM (a preempted or drained pod) and says it is leaving."""
+    return job.controller.agent_leaving(AgentLeave(node, 1000 + node if pid is None else pid, f"host{node}",
+                                                   "SIGTERM to its undying run"))
+
+
+def test_a_node_that_announces_its_leave_is_dropped_at_once_by_elastic_training(make_job):
+    """A planned leave, no spare: the chain treats it as a lost node and the job shrinks without
+    waiting wait_reschedule_timeout for a node that said it is going."""
+    job = recovering_job(make_job, recover_strategy=["recover-in-place", "recover", "elastic-training"])
+    assert leave(job, 1)
+    [lost] = job.events(ev.AGENT_LOST)
+    assert lost.node == 1 and lost.details["planned"] and "SIGTERM" in lost.details["why"]
+    assert job.wait_for(lambda: bool(job.events(ev.DECISION)))
+    [decision] = job.events(ev.DECISION)
+    assert (decision.details["strategy"], decision.details["lost_ranks"]) == ("recover", [2, 3])
+    plans = check_in_together(job, [survivor(job, 0, 7), survivor(job, 1, 7)])
+    [shrink] = job.events(ev.ELASTIC_SHRINK)
+    assert shrink.details["waited"] < 0.5 and shrink.details["dropped_nodes"] == [1]
+    assert {(plan.action, plan.strategy, tuple(plan.members)) for plan in plans.values()} == {
+        (PlanAction.RESUME, "elastic-training", (0, 1))}
+    assert job.events(ev.RESTART_BEGIN) == []
+    [fault] = job.events(ev.FAULT_DETECTED)
+    assert fault.details["description"] == "node 1 left the job (left the job: SIGTERM to its undying run)"
+
+
+def test_a_node_that_announces_its_leave_is_replaced_by_a_spare(make_job):
+    job = make_job(**{**RECOVERY, "recover_strategy": ["recover-in-place", "recover", "elastic-training"]})
+    assert job.controller.hello(AgentHello(2, 1002, "spare", 2, standby=True)).accepted
+    job.start_running()
+    for rank in range(4):
+        job.beat(rank, 7)
+    assert leave(job, 1)
+    adopt = job.next_order(2)
+    assert (adopt.kind, adopt.node) == (OrderKind.ADOPT, 1)
+    assert job.events(ev.ELASTIC_SHRINK) == []
+    assert [d.details["strategy"] for d in job.events(ev.DECISION)] == ["recover"]
+
+
+def test_a_leave_from_a_process_that_does_not_hold_the_node_changes_nothing(make_job):
+    job = recovering_job(make_job)
+    assert not leave(job, 1, pid=4242)
+    assert job.events(ev.AGENT_LOST) == [] and job.controller.state is JobState.RUNNING
 
 
 def test_a_survivor_a_step_behind_receives_the_state_too(make_job):

@@ -43,3 +43,9 @@ def test_a_partial_spec_takes_the_defaults_for_the_rest() -> None:
 def test_a_controller_without_a_store_address_is_refused() -> None:
     with pytest.raises(ValueError, match="MASTER_ADDR"):
         _ = WorkerEnv.from_environ({ENV_CONTROLLER: "h:1"}).store_address
+
+
+def test_the_members_of_a_shrunk_restart_travel_and_default_to_every_rank() -> None:
+    written = WorkerEnv(rank=4, world_size=6, members=(0, 1, 4, 5))
+    assert WorkerEnv.from_environ(written.to_environ()).members == (0, 1, 4, 5)
+    assert WorkerEnv.from_environ(WorkerEnv(world_size=6).to_environ()).members == ()

@@ -25,6 +25,7 @@ from undying.controller.status import job_status
 from undying.events import Event, EventLog
 from undying.protocol import (
     AgentHello,
+    AgentLeave,
     AgentPoll,
     Heartbeat,
     HeartbeatReply,
@@ -197,6 +198,12 @@ class Controller:
         with self._cond:
             self._check_in_charge()
             self._apply(lambda now: self.machine.agent_report(now, poll))
+
+    def agent_leaving(self, leave: AgentLeave) -> bool:
+        """A node's agent announces a planned leave (see ``JobMachine.agent_leaving``)."""
+        with self._cond:
+            self._check_in_charge()
+            return self._apply(lambda now: self.machine.agent_leaving(now, leave))
 
     def agent_disconnected(self, node_id: int, pid: int) -> None:
         """The connection an agent polled on closed (its process may have died)."""

@@ -30,6 +30,7 @@ from undying.faults import Fault, FaultReason
 from undying.inject import decode as decode_injections
 from undying.protocol import (
     AgentHello,
+    AgentLeave,
     AgentPoll,
     Heartbeat,
     HeartbeatReply,
@@ -182,6 +183,18 @@ class JobMachine:
             del self.membership.nodes[node.node]  # it says hello again as the node it adopts
         return order
 
+    def agent_leaving(self, now: float, leave: AgentLeave) -> bool:
+        """A node announces it is leaving (its ``undying run`` got SIGTERM: a preempted or drained pod):
+        it is lost now, as a planned leave, before its workers stop, so the chain handles a lost node
+        (a spare takes its place, or elastic training shrinks without waiting for it to come back)."""
+        self.now = now
+        node = self.membership.nodes.get(leave.node)
+        if self.state.terminal or node is None or not node.alive \
+                or not node.polled_by_owner(leave.pid, leave.hostname):
+            return False
+        self.lose_node(node, f"left the job: {leave.reason or 'SIGTERM'}", now, kill=False, planned=True)
+        return True
+
     def agent_disconnected(self, now: float, node_id: int, pid: int) -> None:
         """The connection an agent polled on closed. A live agent polls again at once (its client
         reconnects); one that does not within ``disconnected_agent_lost_after`` is lost (detection.py),
@@ -203,16 +216,17 @@ class JobMachine:
         if node is not None and node.alive and not node.exit_delivered:
             self.lose_node(node, f"agent process ended (returncode {returncode})", now)
 
-    def lose_node(self, node: NodeRecord, why: str, now: float, kill: bool = True) -> None:
+    def lose_node(self, node: NodeRecord, why: str, now: float, kill: bool = True, planned: bool = False) -> None:
         node.alive = False
         node.orders.clear()
         self.emit(ev.AGENT_LOST, node=node.node, generation=self.generation,
-                  details={"why": why, "standby": node.standby})
+                  details={"why": why, "standby": node.standby, "planned": planned})
         if node.standby:
             return  # a spare held no ranks: nothing to recover
         if self.state in (JobState.RUNNING, JobState.RECOVERING):
             self.detector.pending.append(Fault(FaultReason.AGENT_LOST, node=node.node,
-                                               step=self.membership.committed_step()))
+                                               step=self.membership.committed_step(),
+                                               detail=why if planned else "", planned=planned))
         if kill and not self.state.terminal:
             self.effects.kill_nodes.append(node.node)
 
@@ -334,26 +348,34 @@ class JobMachine:
         check_transition(self.state, target)
         self.state = target
 
-    def start_generation(self, now: float) -> None:
+    def start_generation(self, now: float, members: list[int] | None = None) -> None:
+        """Start every rank of ``members`` (default: every rank of the job) on its node, afresh.
+        Fewer members: a job restart at the size an elastic shrink left (job_restart.py)."""
         self.generation += 1
         self.detector.clear()
         membership = self.membership
         world_size = self.spec.world_size
         membership.ranks = {}
-        membership.members = list(range(world_size))
+        membership.members = list(range(world_size)) if members is None else list(members)
+        shrunk = len(membership.members) < world_size
         for node in sorted(membership.nodes.values(), key=lambda n: n.node):
             if not node.alive or node.standby:
                 continue
-            ranks = membership.ranks_of(node.node)
+            ranks = [rank for rank in membership.ranks_of(node.node) if rank in membership.members]
+            if not ranks:
+                continue  # a node left out of a shrunk restart (elastic grow-back may bring it in)
             for rank in ranks:
                 membership.ranks[rank] = RankRecord(rank, node.node, self.generation, now)
             node.orders.append(Order(kind=OrderKind.START, generation=self.generation, ranks=ranks,
                                      world_size=world_size, store_port=self.store_port,
-                                     restart_count=self.restart_count))
+                                     restart_count=self.restart_count,
+                                     members=list(membership.members) if shrunk else []))
         previous = self.state
         self.transition(JobState.RUNNING)
-        self.emit(ev.GENERATION_START, generation=self.generation,
-                  details={"world_size": world_size, "restart_count": self.restart_count})
+        details: dict[str, Any] = {"world_size": world_size, "restart_count": self.restart_count}
+        if shrunk:
+            details["members"] = list(membership.members)
+        self.emit(ev.GENERATION_START, generation=self.generation, details=details)
         if previous is JobState.RESTARTING:
             self.emit(ev.RESTART_END, generation=self.generation, details={"restart_count": self.restart_count})
 
@@ -377,7 +399,8 @@ class JobMachine:
     def replace(self, node: int, ranks: list[int], now: float) -> None:
         """Order ``node``'s agent to restart ``ranks`` as replacements in the current generation."""
         for rank in ranks:
-            self.membership.ranks[rank] = RankRecord(rank, node, self.generation, now)
+            # Its step is unknown until it beats: the job's committed step is the survivors'.
+            self.membership.ranks[rank] = RankRecord(rank, node, self.generation, now, step_known=False)
         self.order_replace(node, ranks, self.generation, now)
 
     def order_replace(self, node: int, ranks: list[int], generation: int, now: float, **details: Any) -> None:

@@ -23,6 +23,7 @@ from undying.controller.metrics import render_metrics
 from undying.events import Event, read_events
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
+    ROUTE_AGENT_LEAVE,
     ROUTE_AGENT_POLL,
     ROUTE_AGENT_REPORT,
     ROUTE_EVENT,
@@ -36,6 +37,7 @@ from undying.protocol import (
     TOKEN_HEADER,
     TOKEN_SCHEME,
     AgentHello,
+    AgentLeave,
     AgentPoll,
     Granted,
     Heartbeat,
@@ -198,6 +200,8 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
                 poll = AgentPoll.from_dict(payload)
                 self.polling_agent = (poll.node, poll.pid)
                 self._json(controller.poll(poll, connected=self._connected).to_dict())
+            elif self.path == ROUTE_AGENT_LEAVE:
+                self._json({"ok": controller.agent_leaving(AgentLeave.from_dict(payload))})
             elif self.path == ROUTE_AGENT_REPORT:
                 controller.report(AgentPoll.from_dict(payload))
                 self._json({"ok": True})

@@ -39,8 +39,8 @@ class Membership:
         self.store: dist.Store = (torch.distributed.HashStore() if self.store_address is None
                                   else connect_store(*self.store_address, self._spec.start_timeout))
         # The ranks of the current generation in process-group order: all of them, or the ones left
-        # after an elastic shrink.
-        self.members: list[int] = list(range(self.world_size))
+        # after an elastic shrink (a job restarted at that size starts with them).
+        self.members: list[int] = list(env.members) or list(range(self.world_size))
         self.group: GenerationGroup | None = None
 
     @property

@@ -58,6 +58,12 @@ def checkpoint_root(spec: JobSpec, run_dir: Path) -> Location:
     return root_location(spec.checkpoint.dir) if spec.checkpoint.dir else run_dir / "checkpoints"
 
 
+def _written_by(checkpoint: CommittedCheckpoint) -> list[int]:
+    """The ranks whose files a checkpoint holds (older manifests name none: every rank of its size)."""
+    members = checkpoint.manifest.meta.get("members")
+    return [int(rank) for rank in members] if members else list(range(checkpoint.manifest.world_size))
+
+
 class CheckpointEngine:
     """T1 + T2 for one worker.
 
@@ -77,7 +83,9 @@ class CheckpointEngine:
       reported (``checkpoint_corrupt``) and the next older one is tried.
 
     Not guaranteed: T1 after the node's death or across a change of world size (both fall
-    back to T2).
+    back to T2). The replica state of a T2 checkpoint loads at any size (the data position is
+    global, ``TrainingState.apply_members`` splits the step); each rank's own part (RNG, registered
+    objects) only when the checkpoint was written by the same members.
     """
 
     def __init__(self, spec: JobSpec, state: TrainingState, membership: Membership, reporter: Reporter,
@@ -258,7 +266,9 @@ class CheckpointEngine:
         membership, training = self.membership, self.state
         started = time.time()
         group = membership.current_group()
-        held = [info.step for info in self.snapshots.committed() if info.world_size == membership.world_size]
+        # A snapshot records the replicas it was taken with: after a restart at a shrunk size only
+        # those taken at that size count (the full-size ones predate the shrink).
+        held = [info.step for info in self.snapshots.committed() if info.world_size == membership.replicas]
         gathered = group.gather_objects("restore/t1", json.dumps(held).encode(), self._restore_timeout)
         loaded: dict[str, Any] | None = None
         if gathered is not None:
@@ -278,7 +288,7 @@ class CheckpointEngine:
         elif source == SOURCE_STORAGE:
             training.load_replica_state(broadcast_state(group, loaded, 0, membership.device))
             checkpoint = next(c for c in list_committed(self.root) if c.step == step)
-            if checkpoint.manifest.world_size == membership.world_size:
+            if _written_by(checkpoint) == membership.members:
                 training.load_rank_state(load_object(checkpoint, rank_state_file(membership.rank)))
             self.snapshots.invalidate()
             details = {"path": str(checkpoint.path), "dump": bool(checkpoint.manifest.meta.get("dump"))}

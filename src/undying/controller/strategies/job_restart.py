@@ -3,7 +3,9 @@
 Runs in the controller, inside the job machine. A restart stops every worker of the
 generation, waits (up to ``node_return_timeout``) for every node's agent, adopting spares
 for lost nodes, and starts the next generation from the newest verified checkpoint (in
-node memory or storage); it counts against ``max_restarts``. Exit ends the job as failed.
+node memory or storage); it counts against ``max_restarts``. A job that elastic training
+has shrunk restarts at once with the members it has instead (``shrunk_restart_members``).
+Exit ends the job as failed.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING
 from undying import events as ev
 from undying.controller.deadlines import Deadlines
 from undying.controller.state import EXIT_FAILED, JobState
-from undying.controller.strategies.base import Attempt, RecoveryContext, within_budget
+from undying.controller.strategies.base import Attempt, RecoveryContext, strategy_enabled, within_budget
 from undying.events import Event
 from undying.faults import Fault
 from undying.protocol import Order, OrderKind
@@ -33,6 +35,23 @@ def begin_job_restart(job: JobMachine, why: str, now: float, count: bool = True)
     job.order_all(Order(kind=OrderKind.STOP, generation=job.generation, reason=why))
     job.transition(JobState.STOPPING)
     job.state_deadline = now + job.deadlines.stop
+
+
+def shrunk_restart_members(job: JobMachine) -> list[int] | None:
+    """The members a job restart of a shrunk elastic job starts with: the current members whose
+    node is alive, if they span at least ``min_nodes`` nodes. None: restart every rank of the job,
+    once every node is back (elastic training off, the job at full size, or too few nodes left).
+
+    A dropped node whose agent is back (or a spare that adopted it) is not waited for nor started
+    here: it joins after the restart by the elastic grow-back (``resize.grow_if_nodes_returned``),
+    which hands it a live replica's state, so the restart keeps the members' node memory (T1)."""
+    membership, spec = job.membership, job.spec
+    if len(membership.members) >= spec.world_size or not strategy_enabled(spec, StrategyName.ELASTIC):
+        return None
+    members = [rank for rank in membership.members if membership.node_alive(membership.node_of(rank))]
+    if len({membership.node_of(rank) for rank in members}) < spec.fewest_nodes:
+        return None
+    return members
 
 
 class JobRestart:
@@ -55,6 +74,10 @@ class JobRestart:
                 job.transition(JobState.RESTARTING)
                 job.state_deadline = now + job.deadlines.node_return
         elif job.state is JobState.RESTARTING:
+            members = shrunk_restart_members(job)
+            if members is not None:
+                job.start_generation(now, members)
+                return
             job.adopt_spares_for(set(range(job.spec.nnodes)), now)
             if membership.all_nodes_alive():
                 job.start_generation(now)

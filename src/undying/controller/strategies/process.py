@@ -88,7 +88,8 @@ class ProcessRecovery:
             # A lost node gets wait_reschedule_timeout to come back; after that the job trains on
             # without it (at once if a recover already waited for it).
             waited_already = self.name == StrategyName.ELASTIC and StrategyName.RECOVER in excluded
-            wait = 0.0 if waited_already else job.deadlines.reschedule_wait
+            # A node that announced its leave (SIGTERM: preempted, drained) is not waited for.
+            wait = 0.0 if waited_already or recovery.fault.planned else job.deadlines.reschedule_wait
             recovery.may_shrink = True
             recovery.reschedule_deadline = now + wait
             recovery.deadline += wait
@@ -138,6 +139,7 @@ class ProcessRecovery:
         membership.ranks = {rank: membership.ranks[rank] for rank in membership.members}
         for rank in recovery.survivors | recovery.newcomers:
             membership.ranks[rank].step = plan.target_step
+            membership.ranks[rank].step_known = True
             membership.ranks[rank].last_progress = None  # re-armed by the first step after the repair
         if recovery.grow:
             job.emit(ev.ELASTIC_GROW, generation=plan.generation, step=plan.target_step,

@@ -17,6 +17,7 @@ from undying.controller.recovery import ActiveRecovery
 from undying.controller.state import JobState
 from undying.controller.strategies.base import strategy_enabled
 from undying.faults import Fault, FaultReason
+from undying.protocol import Phase
 from undying.strategy_names import StrategyName
 
 if TYPE_CHECKING:
@@ -58,7 +59,10 @@ def grow_if_nodes_returned(job: JobMachine, now: float) -> None:
         return
     pending = job.pending_grow
     if pending is not None:
-        if pending.newcomers <= pending.newcomers_ready:
+        # Not while a member still restores at start (after a shrunk job restart): ending its
+        # generation then would break the restore's rendezvous; it trains within seconds.
+        restoring = any(record.phase == Phase.STARTING for record in membership.ranks.values())
+        if pending.newcomers <= pending.newcomers_ready and not restoring:
             _begin_grow(job, pending, now)
         elif now > pending.deadline:
             job.pending_grow = None
@@ -99,7 +103,8 @@ def _begin_grow(job: JobMachine, pending: ActiveRecovery, now: float) -> None:
     job.generation = pending.generation
     job.abort_generation = old_generation  # survivors leave at their next step boundary and check in
     for rank in sorted(pending.newcomers):
-        membership.ranks[rank] = RankRecord(rank, membership.node_of(rank), pending.generation, now)
+        membership.ranks[rank] = RankRecord(rank, membership.node_of(rank), pending.generation, now,
+                                            step_known=False)
     pending.deadline = now + job.deadlines.recovery
     job.recovery = pending
     job.transition(JobState.RECOVERING)
