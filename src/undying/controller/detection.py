@@ -17,7 +17,7 @@ from undying import events as ev
 from undying.controller.deadlines import Deadlines
 from undying.controller.membership import Membership, NodeRecord, RankRecord
 from undying.faults import Fault, FaultReason
-from undying.protocol import Phase, WorkerState, WorkerStatus
+from undying.protocol import Heartbeat, Phase, WorkerState, WorkerStatus
 
 Emit = Callable[..., None]
 
@@ -74,6 +74,19 @@ class FaultDetector:
                 what = "no poll" if node.confirmed else "no poll since the controller failed over"
                 silent.append((node, f"{what} for {now - node.last_seen:.1f} s"))
         return silent
+
+    def record_heartbeat(self, record: RankRecord, beat: Heartbeat, now: float) -> None:
+        """A heartbeat of the rank's current process: its step, phase and liveness."""
+        record.last_heartbeat = now
+        if beat.step != record.step:
+            record.last_progress = now  # armed from a rank's first committed step on
+        record.step = beat.step
+        record.step_known = True
+        record.phase = beat.phase
+        record.pid = beat.pid
+        if beat.phase == Phase.DONE and not record.done:
+            record.done = True
+            record.done_at = now
 
     def step_failed(self, now: float, fault: Fault, generation: int) -> None:
         """A worker's own report that it could not complete its step (once per rank and generation)."""

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from undying import events as ev
-from undying.config import JobSpec, SpecError, spec_differences, validate_job_spec
+from undying.config import JobSpec
 from undying.controller import strategies
+from undying.controller.admission import hello_refusal
 from undying.controller.deadlines import HEARTBEAT_LOG_EVERY, Deadlines
 from undying.controller.detection import FaultDetector
 from undying.controller.membership import Membership, NodeRecord, RankRecord
@@ -38,7 +39,6 @@ from undying.protocol import (
     InjectionClaim,
     Order,
     OrderKind,
-    Phase,
     Plan,
     PlanAction,
     RecoverRequest,
@@ -108,7 +108,7 @@ class JobMachine:
 
     def hello(self, now: float, hello: AgentHello) -> HelloReply:
         self.now = now
-        refused = self._refusal(hello)
+        refused = hello_refusal(self.spec, self.state, hello)
         if refused:
             return HelloReply(self.job_id, self.store_port, False, refused)
         nodes = self.membership.nodes
@@ -123,25 +123,6 @@ class JobMachine:
         self.emit(ev.AGENT_REGISTERED, node=hello.node,
                   details={"pid": hello.pid, "host": hello.hostname, "standby": hello.standby})
         return HelloReply(self.job_id, self.store_port)
-
-    def _refusal(self, hello: AgentHello) -> str:
-        spec = self.spec
-        if hello.standby and hello.node < spec.nnodes:
-            return f"a standby agent needs a node id >= nnodes ({spec.nnodes}), got {hello.node}"
-        if not hello.standby and not 0 <= hello.node < spec.nnodes:
-            return f"node {hello.node} >= nnodes"
-        if hello.nproc != spec.nproc_per_node:
-            return "nproc_per_node differs from the job's"
-        if hello.spec:  # the job spec travels with the job: a node started with another one is refused
-            try:
-                differing = spec_differences(spec, validate_job_spec(hello.spec))
-            except SpecError as error:
-                return f"the agent's job spec is invalid: {error}"
-            if differing:
-                return f"the agent's job spec differs from the controller's in: {', '.join(differing)}"
-        if self.state.terminal:
-            return f"job {self.state.value}"
-        return ""
 
     def _returned_as_spare(self, hello: AgentHello, now: float) -> HelloReply:
         """A node's agent is back while the spare that adopted its place serves its ranks: it
@@ -238,16 +219,7 @@ class JobMachine:
         record = self.membership.ranks.get(beat.rank)
         if record is None or beat.generation < record.spawn_generation or beat.generation > self.generation:
             return reply
-        record.last_heartbeat = now
-        if beat.step != record.step:
-            record.last_progress = now  # armed from a rank's first committed step on
-        record.step = beat.step
-        record.step_known = True
-        record.phase = beat.phase
-        record.pid = beat.pid
-        if beat.phase == Phase.DONE and not record.done:
-            record.done = True
-            record.done_at = now
+        self.detector.record_heartbeat(record, beat, now)
         if record.logged_step != beat.step and now - record.last_logged >= HEARTBEAT_LOG_EVERY:
             record.last_logged = now
             record.logged_step = beat.step
@@ -315,7 +287,7 @@ class JobMachine:
             if self.membership.all_nodes_alive():
                 self.start_generation(now)
             elif now > self.state_deadline:
-                self.finish(JobState.FAILED, EXIT_FAILED, self.missing_nodes_message("start"), now)
+                self.finish(JobState.FAILED, EXIT_FAILED, self.membership.missing_message("start", self.spec.node_return_timeout), now)
         elif self.state is JobState.RUNNING:
             fault = self.detector.find(now, self.generation)
             if fault is not None:
@@ -426,7 +398,3 @@ class JobMachine:
                                       reason=f"take the place of node {lost}"))
             self.emit(ev.STANDBY_ADOPT, node=lost, generation=self.generation,
                       details={"spare": spare.node, "host": spare.hostname})
-
-    def missing_nodes_message(self, phase: str) -> str:
-        return (f"node(s) {self.membership.missing_nodes()} did not join within node_return_timeout "
-                f"({self.spec.node_return_timeout:g} s) at {phase}")

@@ -97,6 +97,10 @@ class Membership:
     def all_nodes_alive(self) -> bool:
         return self.alive_nodes() == set(range(self.nnodes))
 
+    def missing_message(self, phase: str, node_return_timeout: float) -> str:
+        return (f"node(s) {self.missing_nodes()} did not join within node_return_timeout "
+                f"({node_return_timeout:g} s) at {phase}")
+
     def suspect_nodes(self) -> set[int]:
         """Live nodes whose agent's connection closed and who have not polled again yet."""
         return {n.node for n in self.nodes.values() if n.alive and not n.standby and n.disconnected_since is not None}

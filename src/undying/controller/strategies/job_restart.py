@@ -82,7 +82,7 @@ class JobRestart:
             if membership.all_nodes_alive():
                 job.start_generation(now)
             elif now > job.state_deadline:
-                job.finish(JobState.FAILED, EXIT_FAILED, job.missing_nodes_message("restart"), now)
+                job.finish(JobState.FAILED, EXIT_FAILED, job.membership.missing_message("restart", job.spec.node_return_timeout), now)
 
     def on_worker_event(self, job: JobMachine, event: Event, now: float) -> None:
         return None
