@@ -159,6 +159,9 @@ class Order(Message):
 class HeartbeatReply(Message):
     ok: bool = True
     abort_generation: int = 0  # the controller gave up on this generation: leave its collectives
+    # The controller ends this generation at a step boundary (an elastic grow): finish the step in
+    # flight, then check in. Only once a rank has checked in are the others' collectives aborted.
+    end_generation: int = 0
     mirror_store: str = ""  # failover jobs: a second store (another node's) that also keeps the RNG mirror
 
 

@@ -70,6 +70,7 @@ class JobMachine:
         self.state = JobState.WAITING_FOR_NODES
         self.generation = 0
         self.abort_generation = 0
+        self.end_generation = 0  # a generation that ends at its next step boundary (an elastic grow)
         self.restart_count = 0
         self.exit_code: int | None = None
         self.message = ""
@@ -215,7 +216,8 @@ class JobMachine:
 
     def heartbeat(self, now: float, beat: Heartbeat) -> HeartbeatReply:
         self.now = now
-        reply = HeartbeatReply(abort_generation=self.abort_generation, mirror_store=self.backup_store)
+        reply = HeartbeatReply(abort_generation=self.abort_generation, end_generation=self.end_generation,
+                               mirror_store=self.backup_store)
         record = self.membership.ranks.get(beat.rank)
         if record is None or beat.generation < record.spawn_generation or beat.generation > self.generation:
             return reply

@@ -91,6 +91,9 @@ def note_check_in(job: JobMachine, now: float, request: RecoverRequest, record: 
             recovery.newcomers_ready.add(request.rank)
     elif recovery is not None and request.generation < recovery.generation and request.rank in recovery.survivors:
         recovery.checked_in[request.rank] = request.committed_step
+        # A grow ends the generation at a step boundary; a rank that left it at one checked in, so a
+        # step the others still have in flight can no longer commit anywhere: abort it.
+        job.abort_generation = max(job.abort_generation, recovery.old_generation)
     elif job.state is JobState.RUNNING and request.generation == job.generation:
         job.detector.step_failed(now, Fault(
             FaultReason.STEP_FAILED, node=record.node if record else request.node, rank=request.rank,

@@ -30,10 +30,11 @@ from undying.data import ResumableLoader
 from undying.inject import decode
 from undying.protocol import Phase
 from undying.runtime.ddp import FixedLayoutDDP
+from undying.runtime.devices import choose_backend, choose_device
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
 from undying.runtime.optim import CommitOptimizer
-from undying.runtime.pg import CollectiveError, choose_backend, reapers_alive
+from undying.runtime.pg import CollectiveError, reapers_alive
 from undying.runtime.recovery_client import RecoveryClient
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng_mirror import MIRROR_TIMEOUT_S, RngMirror
@@ -86,9 +87,8 @@ class Runtime:
         self.node = env.node
         self.joining = env.joining
         self.run_dir: Path = env.run_dir
-        self.backend = choose_backend(self.spec.backend)
-        self.device = (torch.device("cuda", self.local_rank) if self.backend == "nccl"
-                       else torch.device("cpu"))
+        self.backend = choose_backend(self.spec.backend, env.local_world_size)
+        self.device = choose_device(self.backend, self.rank, self.local_rank, env.local_world_size)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.reporter = Reporter(env.controller, env.token, self.rank, self.node, env.generation,
@@ -231,7 +231,7 @@ class Runtime:
             # T1 snapshot every snapshot_interval steps; T2 every checkpoint.interval, in the background.
             self.checkpoints.at_commit(self.state.committed_step)
             step += 1
-            if self.membership.aborted():
+            if self.membership.ending():
                 # The generation ended after every rank had applied this step (e.g. an elastic grow
                 # began): the step stands, and the regrouping starts from it.
                 self._recover("the controller ended this generation at a step boundary")

@@ -5,7 +5,9 @@ first step after a restart sums gradients in a different layout and the run
 diverges (measured: docs/design.md, "Why the gradient sync is not DDP"). Here the layout depends only on the
 parameter list: one flat buffer per dtype, parameters in registration order, plus
 one vote slot. Every replay of a step therefore sums every element in the same
-ring position and order.
+ring position and order. The vote is summed in a dtype that counts ranks exactly (a bf16
+sum of ones stops at 256): in the float32 (or float64) buffer, else in a one-element float32
+all-reduce of its own.
 """
 
 from __future__ import annotations
@@ -17,16 +19,30 @@ import torch
 
 from undying.runtime.pg import GenerationGroup, flat_views
 
+# Dtypes whose sum of ones stays exact far beyond any job's size (float32: up to 2**24 ranks).
+EXACT_VOTE_DTYPES = (torch.float32, torch.float64)
+SEPARATE_VOTE_DTYPE = torch.float32  # the vote's own all-reduce when no gradient bucket counts exactly
+
+
+def vote_bucket_index(dtypes: list[torch.dtype]) -> int | None:
+    """Which gradient bucket carries the vote slot: the first whose dtype counts ranks exactly, or
+    None (the vote is then all-reduced on its own). An fp32-only model keeps its one bucket + slot."""
+    for index, dtype in enumerate(dtypes):
+        if dtype in EXACT_VOTE_DTYPES:
+            return index
+    return None
+
 
 class _Bucket:
     """One flat buffer holding the gradients of all parameters of one dtype."""
 
-    def __init__(self, params: list[torch.nn.Parameter], device: torch.device, with_vote: bool) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device, with_vote: bool,
+                 dtype: torch.dtype | None = None) -> None:
         self.params = params
         numel = sum(p.numel() for p in params)
         self.vote_index = numel if with_vote else None
         self.numel = numel
-        self.flat = torch.zeros(numel + (1 if with_vote else 0), dtype=params[0].dtype, device=device)
+        self.flat = torch.zeros(numel + (1 if with_vote else 0), dtype=dtype or params[0].dtype, device=device)
         self.views = flat_views(params, self.flat[:numel])
         self.generation: int | None = None  # the generation whose collectives this buffer was given to
 
@@ -66,8 +82,12 @@ class FixedLayoutDDP(torch.nn.Module):
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for param in params:
             by_dtype.setdefault(param.dtype, []).append(param)
-        self._buckets = [_Bucket(group, device, with_vote=(index == 0))
+        vote_in = vote_bucket_index(list(by_dtype))
+        self._buckets = [_Bucket(group, device, with_vote=(index == vote_in))
                          for index, group in enumerate(by_dtype.values())]
+        # No exact gradient dtype (a bf16/fp16-only model): the vote is its own one-element all-reduce.
+        self._vote_bucket = (None if vote_in is not None
+                             else _Bucket([], device, with_vote=True, dtype=SEPARATE_VOTE_DTYPE))
         self._gradient_weight = 1  # slots covered by one backward of this replica (elastic ``grow``)
         self._slots_per_step: int | None = None  # None: divide by the process group's size
         if broadcast:
@@ -123,4 +143,17 @@ class FixedLayoutDDP(torch.nn.Module):
                     param.grad = view.clone()
                 else:
                     param.grad.copy_(view)
+        if self._vote_bucket is not None:
+            vote = self._vote_bucket
+            vote.use_in(group.generation)
+            vote.flat[0] = 1.0 if vote_ok else 0.0
+            group.allreduce_sum(vote.flat)
+            all_ok = int(vote.flat[0].item()) == world_size
         return all_ok
+
+    @property
+    def vote_dtype(self) -> torch.dtype:
+        """The dtype the commit vote is summed in."""
+        if self._vote_bucket is not None:
+            return self._vote_bucket.flat.dtype
+        return next(bucket.flat.dtype for bucket in self._buckets if bucket.vote_index is not None)

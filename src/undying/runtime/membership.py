@@ -53,8 +53,12 @@ class Membership:
         return len(self.members)
 
     def aborted(self) -> bool:
-        """Has the controller told this generation to stop (a fault elsewhere, an elastic grow)?"""
+        """Has the controller told this generation to stop now (a fault elsewhere)?"""
         return self._reporter.abort_generation >= self.generation
+
+    def ending(self) -> bool:
+        """Does the controller end this generation at the next step boundary (an elastic grow)?"""
+        return self._reporter.end_generation >= self.generation or self.aborted()
 
     def current_group(self) -> GenerationGroup:
         if self.group is None:

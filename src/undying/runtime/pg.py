@@ -5,12 +5,15 @@ generation g builds its own group object on ``PrefixStore(f"{job}/gen{g}", store
 (as TorchFT does), so a later recovery can drop it and build g+1 without touching
 the model. Collectives are issued async and waited with ``comm_timeout``: nothing
 interrupts a gloo collective that already blocks the calling thread, but a
-bounded ``wait`` does return.
+bounded ``wait`` does return. Under NCCL the wait polls ``work.is_completed()`` (the future
+completes at enqueue), and a collective that times out or is aborted aborts the group's
+communicators at once, so no kernel of a dead generation lingers into the next one.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,8 +23,13 @@ import torch
 import torch.distributed as dist
 
 ABORT_POLL_S = 0.05  # how often a waiting collective checks for an abort from the controller
+DEVICE_POLL_MIN_S = 0.0001  # NCCL: first pause between polls of a collective's completion on the GPU
+DEVICE_POLL_MAX_S = 0.002  # ... doubling up to this
 REAP_DELAY_S = 2.0
 BACKEND_TIMEOUT_S = 1800.0  # the backends' own default (30 minutes), used when watchdog is off
+# NCCL's watchdog must not tear the process down (SIGABRT) when a collective times out: our own
+# bounded wait reports it and recovery aborts the group. Read by each ProcessGroupNCCL at construction.
+NCCL_ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 class CollectiveError(RuntimeError):
@@ -38,12 +46,6 @@ def connect_store(host: str, port: int, timeout: float) -> dist.Store:
     """A client connection to the controller's TCPStore."""
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout),
                          wait_for_workers=False)
-
-
-def choose_backend(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 class GenerationGroup:
@@ -66,6 +68,7 @@ class GenerationGroup:
         backend_timeout = datetime.timedelta(seconds=comm_timeout or BACKEND_TIMEOUT_S)
         self.comm_timeout = datetime.timedelta(seconds=comm_timeout or BACKEND_TIMEOUT_S)
         self._abandoned: list[dist.Work] = []
+        self._aborted = False
         self.group = self._build_abortable(backend, backend_timeout, join_timeout)
 
     def _build_abortable(self, backend: str, timeout: datetime.timedelta, join_timeout: float) -> dist.ProcessGroup:
@@ -104,6 +107,7 @@ class GenerationGroup:
         if backend == "gloo":
             return cast(dist.ProcessGroup, dist.ProcessGroupGloo(self.store, self.rank, self.world_size, timeout))
         if backend == "nccl":
+            os.environ[NCCL_ASYNC_ERROR_HANDLING_ENV] = "0"
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             return cast(dist.ProcessGroup, dist.ProcessGroupNCCL(self.store, self.rank, self.world_size, options))
@@ -113,7 +117,9 @@ class GenerationGroup:
         """Wait for ``work`` without ever blocking past comm_timeout or an abort from the controller.
 
         Nothing interrupts a gloo collective that blocks the calling thread, so we never
-        block in it: the work completes on the backend's threads and signals an event.
+        block in it: the work completes on the backend's threads and signals an event. A NCCL
+        work's future completes when the kernel is enqueued, so there the loop also polls
+        ``work.is_completed()``; on timeout or abort the group's communicators are aborted.
         """
         finished = threading.Event()
         failure: list[BaseException] = []
@@ -126,7 +132,8 @@ class GenerationGroup:
             threading.Thread(target=_blocking_wait, args=(work, finished, failure), daemon=True,
                              name="undying-wait").start()
         deadline = None if self.comm_timeout_s is None else time.monotonic() + self.comm_timeout_s
-        while not finished.wait(ABORT_POLL_S):
+        poll_device = self.backend == "nccl"
+        while not _settled(work, finished, poll_device):
             cause: BaseException | None = None
             if self.should_abort():
                 cause = RuntimeError("the controller aborted this generation")
@@ -137,9 +144,12 @@ class GenerationGroup:
                 # in the reaper thread, since its destructor joins threads stuck on a dead peer.
                 self._abandoned.append(work)
                 del work, future
+                self.abort_backend()
                 raise CollectiveError(op, self.rank, self.generation, cause) from None
         try:
-            if future is not None:
+            if poll_device:
+                work.wait()  # completed: returns at once, or raises the collective's error
+            elif future is not None:
                 future.wait()
             elif failure:
                 raise failure[0]
@@ -206,16 +216,49 @@ class GenerationGroup:
         self.store.wait([key], datetime.timedelta(seconds=timeout))
         return self.store.get(key)
 
+    def abort_backend(self) -> None:
+        """Abort the group's NCCL communicators (at most once): a collective stuck on a dead peer
+        stops holding the GPU's streams, and the next generation's group starts clean. Gloo has no
+        such call; its group dies with its sockets, in ``abandon``."""
+        abort = getattr(self.group, "abort", None)
+        if self.backend != "nccl" or self._aborted or abort is None:
+            return
+        self._aborted = True
+        try:
+            abort()
+        except Exception:  # noqa: BLE001, S110 - the group is being dropped either way
+            pass
+
     def abandon(self) -> None:
         """Drop this generation's group without blocking: its destructor may wait for its own timeout,
         so the last references go away in a reaper thread. Closing its sockets also makes every
-        peer still in one of its collectives fail at once."""
+        peer still in one of its collectives fail at once. A NCCL group is aborted first."""
+        self.abort_backend()
         group, works = self.group, self._abandoned
         self.group = None  # type: ignore[assignment]
         self._abandoned = []
         reaper = threading.Thread(target=_reap, args=(group, works), name="undying-reaper", daemon=True)
         _reapers.append(reaper)
         reaper.start()
+
+
+def _settled(work: dist.Work, finished: threading.Event, poll_device: bool) -> bool:
+    """Has ``work`` finished? Returns within about ABORT_POLL_S either way, so the caller checks its
+    deadline and abort flag that often. With ``poll_device`` (NCCL) the work's future says only that
+    it was enqueued; its completion on the GPU is polled, at first often (a step's all-reduce must not
+    pay a whole poll period), then every DEVICE_POLL_MAX_S."""
+    if not finished.wait(ABORT_POLL_S):
+        return False
+    if not poll_device:
+        return True
+    give_up = time.monotonic() + ABORT_POLL_S
+    pause = DEVICE_POLL_MIN_S
+    while not work.is_completed():
+        if time.monotonic() >= give_up:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, DEVICE_POLL_MAX_S)
+    return True
 
 
 def _blocking_wait(work: dist.Work, finished: threading.Event, failure: list[BaseException]) -> None:

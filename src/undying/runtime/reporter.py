@@ -49,6 +49,7 @@ class Reporter:
         self.phase: str = Phase.STARTING
         self.loss: float | None = None
         self.abort_generation = 0  # the newest generation the controller told us to abandon
+        self.end_generation = 0  # the newest generation the controller ends at a step boundary
         self.mirror_store = ""  # failover jobs: a second store for the RNG mirror (from heartbeat replies)
         self._address = address
         self._token = token
@@ -85,6 +86,7 @@ class Reporter:
             try:
                 reply = HeartbeatReply.from_dict(client.post(ROUTE_WORKER_HEARTBEAT, beat.to_dict()))
                 self.abort_generation = max(self.abort_generation, reply.abort_generation)
+                self.end_generation = max(self.end_generation, reply.end_generation)
                 self.mirror_store = reply.mirror_store
             except ControllerUnreachable:
                 pass

@@ -1,7 +1,10 @@
 """Capture and restore every RNG a training step may draw from (torch, CUDA, Python, NumPy).
 
 Runs in the worker. Restoring these with the model, optimizer and data position is
-what makes a replayed step bitwise equal to the original.
+what makes a replayed step bitwise equal to the original. Of CUDA, only the generator of
+this rank's own device (``torch.cuda.current_device()``, which the runtime sets to
+``cuda:LOCAL_RANK``) is captured and restored: a rank draws from no other, and a
+replacement with another local rank must put the state into its own device's generator.
 """
 
 from __future__ import annotations
@@ -13,11 +16,18 @@ from typing import Any
 
 import torch
 
+CUDA_KEY = "cuda_device"  # the generator state of the rank's own CUDA device (one tensor)
+LEGACY_CUDA_KEY = "cuda"  # older captures: a list with one state per visible device
+
+
+def _own_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
 
 def capture_rng() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state[CUDA_KEY] = torch.cuda.get_rng_state(_own_device())
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         state["numpy"] = numpy.random.get_state()
@@ -27,12 +37,26 @@ def capture_rng() -> dict[str, Any]:
 def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if torch.cuda.is_available():
+        own_state = _own_cuda_state(state)
+        if own_state is not None:
+            torch.cuda.set_rng_state(own_state, _own_device())
     if "numpy" in state:
         import numpy
 
         numpy.random.set_state(state["numpy"])
+
+
+def _own_cuda_state(state: dict[str, Any]) -> torch.Tensor | None:
+    """The own device's generator state, from a new capture or from an older one that holds every
+    visible device's (the entry of the device index this process uses now)."""
+    if CUDA_KEY in state:
+        return state[CUDA_KEY]
+    legacy = state.get(LEGACY_CUDA_KEY)
+    if legacy:
+        index = torch.cuda.current_device()
+        return legacy[index] if index < len(legacy) else None
+    return None
 
 
 def rng_to_bytes(state: dict[str, Any]) -> bytes:
@@ -40,8 +64,10 @@ def rng_to_bytes(state: dict[str, Any]) -> bytes:
     (a few KB, tens of microseconds; ``torch.save`` took milliseconds)."""
     plain = dict(state)
     plain["torch"] = state["torch"].numpy()
-    if "cuda" in state:
-        plain["cuda"] = [tensor.cpu().numpy() for tensor in state["cuda"]]
+    if CUDA_KEY in state:
+        plain[CUDA_KEY] = state[CUDA_KEY].cpu().numpy()
+    if LEGACY_CUDA_KEY in state:
+        plain[LEGACY_CUDA_KEY] = [tensor.cpu().numpy() for tensor in state[LEGACY_CUDA_KEY]]
     return pickle.dumps(plain, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -49,6 +75,8 @@ def rng_from_bytes(data: bytes) -> dict[str, Any]:
     # Only bytes this job's own ranks wrote into its store.
     plain = pickle.loads(data)  # noqa: S301
     plain["torch"] = torch.from_numpy(plain["torch"])
-    if "cuda" in plain:
-        plain["cuda"] = [torch.from_numpy(array) for array in plain["cuda"]]
+    if CUDA_KEY in plain:
+        plain[CUDA_KEY] = torch.from_numpy(plain[CUDA_KEY])
+    if LEGACY_CUDA_KEY in plain:
+        plain[LEGACY_CUDA_KEY] = [torch.from_numpy(array) for array in plain[LEGACY_CUDA_KEY]]
     return plain

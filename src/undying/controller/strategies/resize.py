@@ -101,7 +101,9 @@ def _begin_grow(job: JobMachine, pending: ActiveRecovery, now: float) -> None:
     job.pending_grow = None
     old_generation = job.generation
     job.generation = pending.generation
-    job.abort_generation = old_generation  # survivors leave at their next step boundary and check in
+    # Survivors leave at their next step boundary and check in; the first check-in aborts what a
+    # straggler has in flight (recovery.note_check_in): a step is never half committed.
+    job.end_generation = old_generation
     for rank in sorted(pending.newcomers):
         membership.ranks[rank] = RankRecord(rank, membership.node_of(rank), pending.generation, now,
                                             step_known=False)

@@ -1,0 +1,165 @@
+"""The in-process checks of ``scripts/gpu-check.sh``: one rank, one GPU, the runtime's own classes.
+
+Runs standalone (no job, no agent), one check per invocation, from the repository root with
+``PYTHONPATH=src``; prints one ``RESULT <check> PASS|FAIL <detail>`` line and exits 0 on PASS.
+``--cpu`` runs what has a CPU meaning (the snapshot round trip) and skips the NCCL checks.
+
+    python scripts/gpu_check.py preflight|nccl-wait|nccl-timeout-abort|nccl-stuck-abort|snapshot [--cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+GPU_SLEEP_CYCLES_PER_S = 1.5e9  # torch.cuda._sleep spins this many cycles a second, about (H200: ~1.98 GHz)
+TIMEOUT_S = 3.0  # comm_timeout of the checks that must time out
+
+
+def result(check: str, passed: bool, detail: str) -> int:
+    print(f"RESULT {check} {'PASS' if passed else 'FAIL'} {detail}", flush=True)
+    return 0 if passed else 1
+
+
+def device() -> torch.device:
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def nccl_group(generation: int, timeout: float, dev: torch.device):  # noqa: ANN201 - a GenerationGroup
+    from undying.runtime.pg import GenerationGroup
+
+    return GenerationGroup(dist.HashStore(), "gpu-check", generation, 0, 1, "nccl", timeout, dev)
+
+
+def queue_gpu_work(seconds: float) -> None:
+    """Keep the current stream busy for about ``seconds``: a collective queued now starts after it."""
+    torch.cuda._sleep(int(seconds * GPU_SLEEP_CYCLES_PER_S))
+
+
+def preflight(cpu: bool) -> int:
+    import undying.config  # noqa: F401 - pydantic and PyYAML must be importable
+    from undying.runtime.devices import choose_backend
+
+    parts = [f"python={sys.version.split()[0]}", f"torch={torch.__version__}",
+             f"cuda_available={torch.cuda.is_available()}"]
+    if torch.cuda.is_available():
+        parts += [f"gpu={torch.cuda.get_device_name(0)!r}", f"devices={torch.cuda.device_count()}",
+                  f"cuda={torch.version.cuda}", f"nccl={'.'.join(map(str, torch.cuda.nccl.version()))}"]
+    parts.append(f"auto_backend={choose_backend('auto', 1)}")
+    return result("preflight", cpu or torch.cuda.is_available(), " ".join(parts))
+
+
+def nccl_wait() -> int:
+    """The bounded wait must wait for the GPU: a collective queued behind ~3 s of GPU work is not
+    done when its future completes (at enqueue); ``_wait`` must return only once it is."""
+    dev = device()
+    group = nccl_group(1, 60.0, dev)
+    tensor = torch.ones(1 << 20, device=dev)
+    group.group.allreduce([tensor]).wait()  # world_size 1 short-circuits allreduce_sum: the backend's own call
+    torch.cuda.synchronize()
+    queue_gpu_work(3.0)
+    work = group.group.allreduce([tensor])
+    started = time.monotonic()
+    group._wait("allreduce", work)
+    waited = time.monotonic() - started
+    completed = work.is_completed()
+    value = tensor[:2].tolist()
+    group.abandon()
+    return result("nccl-wait", completed and waited > 1.0 and value == [1.0, 1.0],
+                  f"waited={waited:.2f}s is_completed={completed} value={value}")
+
+
+def nccl_timeout_abort(stuck: bool) -> int:
+    """A collective that does not finish within comm_timeout: ``_wait`` raises after about comm_timeout,
+    aborts the group, the process lives (no NCCL watchdog SIGABRT), and a next-generation group works.
+    ``stuck``: a receive that nobody sends (a collective stuck in NCCL, as with a hung peer); else a
+    collective queued behind GPU work longer than the timeout."""
+    from undying.runtime.pg import CollectiveError
+
+    check = "nccl-stuck-abort" if stuck else "nccl-timeout-abort"
+    dev = device()
+    group = nccl_group(1, TIMEOUT_S, dev)
+    tensor = torch.ones(1 << 20, device=dev)
+    group.group.allreduce([tensor]).wait()
+    torch.cuda.synchronize()
+    if stuck:
+        work = group.group.recv([torch.empty(4, device=dev)], 0, 0)
+    else:
+        queue_gpu_work(4 * TIMEOUT_S)
+        work = group.group.allreduce([tensor])
+    started = time.monotonic()
+    try:
+        group._wait("allreduce", work)
+        return result(check, False, f"_wait returned after {time.monotonic() - started:.2f}s (expected a timeout)")
+    except CollectiveError as error:
+        raised_after = time.monotonic() - started
+        detail = f"raised_after={raised_after:.2f}s error={str(error)[:80]!r}"
+    aborted = group._aborted
+    group.abandon()
+    began = time.monotonic()
+    torch.cuda.current_stream().synchronize()
+    drained = time.monotonic() - began
+    next_group = nccl_group(2, 60.0, dev)
+    fresh = torch.ones(8, device=dev)
+    next_group.group.allreduce([fresh]).wait()
+    torch.cuda.synchronize()
+    next_ok = fresh[:2].tolist() == [1.0, 1.0]
+    next_group.abandon()
+    passed = raised_after < TIMEOUT_S + 2.0 and aborted and next_ok
+    return result(check, passed, f"{detail} aborted={aborted} stream_drained_after={drained:.2f}s "
+                                 f"next_generation_ok={next_ok}")
+
+
+def snapshot(cpu: bool) -> int:
+    """A T1 snapshot of a tensor whose update is still queued on the GPU when the snapshot is handed
+    over (overlapped copy): the snapshot must hold the updated values; pages locked for the D2H copy."""
+    from undying.checkpoint.snapshot import RankSnapshots
+
+    dev = torch.device("cpu") if cpu else device()
+    shm = os.environ.get("UNDYING_SHM_DIR", "/dev/shm" if Path("/dev/shm").is_dir() else None)
+    snapshots = RankSnapshots(Path(tempfile.mkdtemp(prefix="undying-gpu-check-", dir=shm)), 0)
+    try:
+        params = torch.randn(16 << 20, device=dev)  # 64 MiB
+        if not cpu:
+            queue_gpu_work(2.0)
+        params.mul_(2)  # on the GPU: queued behind the sleep when the snapshot starts
+        started = time.monotonic()
+        snapshots.write({"params": params}, step=1, generation=1, world_size=1, defer=lambda tensor: True)
+        waited = snapshots.wait()
+        same = torch.equal(snapshots.read(1)["params"], params.cpu())
+        detail = (f"device={dev} equal={same} page_lock_error={snapshots.page_lock_error!r} "
+                  f"wait={waited:.2f}s total={time.monotonic() - started:.2f}s")
+        return result("snapshot", same and snapshots.page_lock_error is None, detail)
+    finally:
+        snapshots.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("check", choices=["preflight", "nccl-wait", "nccl-timeout-abort", "nccl-stuck-abort",
+                                          "snapshot"])
+    parser.add_argument("--cpu", action="store_true", help="no GPU: run the CPU meaning of the check, if any")
+    args = parser.parse_args()
+    if args.check == "preflight":
+        return preflight(args.cpu)
+    if args.check == "snapshot":
+        return snapshot(args.cpu)
+    if args.cpu:
+        print(f"RESULT {args.check} SKIP needs a GPU and NCCL", flush=True)
+        return 0
+    if args.check == "nccl-wait":
+        return nccl_wait()
+    return nccl_timeout_abort(stuck=args.check == "nccl-stuck-abort")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
