@@ -7,7 +7,6 @@ The test plays every agent (``hello``/``poll``) and worker (``heartbeat``/``reco
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,21 +31,6 @@ from undying.protocol import (
     WorkerState,
     WorkerStatus,
 )
-
-
-@pytest.fixture
-def make_job(tmp_path: Path):
-    jobs: list[Job] = []
-
-    def make(**spec_fields: Any) -> Job:
-        job = Job(tmp_path / f"run{len(jobs)}", **spec_fields)
-        jobs.append(job)
-        return job
-
-    yield make
-    for job in jobs:
-        job.close()
-
 
 # ---------------------------------------------------------------- start
 

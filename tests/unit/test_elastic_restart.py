@@ -8,10 +8,7 @@ handles. Without elastic training, or at full size, a job restart still waits fo
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from tests.unit.job_harness import Job, check_in_together
 from undying import events as ev
@@ -37,20 +34,6 @@ ELASTIC_ONLY = {
 }
 SURVIVORS = (0, 1, 4, 5)
 SHRUNK_NODES = (0, 2)
-
-
-@pytest.fixture
-def make_job(tmp_path: Path):
-    jobs: list[Job] = []
-
-    def make(**spec_fields: Any) -> Job:
-        job = Job(tmp_path / f"run{len(jobs)}", **spec_fields)
-        jobs.append(job)
-        return job
-
-    yield make
-    for job in jobs:
-        job.close()
 
 
 def survivor(rank: int, wait: float) -> RecoverRequest:
