@@ -78,8 +78,10 @@ class Controller:
 
     # ---------------------------------------------------------------- plumbing
 
-    def _apply(self, call: Callable[[float], T]) -> T:
-        """Hand the machine one observation (under the lock), then carry out its effects."""
+    def _apply(self, call: Callable[[float], T], wake: bool = True) -> T:
+        """Hand the machine one observation (under the lock), then carry out its effects. ``wake``:
+        wake the threads waiting here (held polls, check-ins, the loop) even without effects. A
+        check-in or heartbeat does not: waiting check-ins that woke each other would spin."""
         result = call(time.monotonic())
         effects = self.machine.take_effects()
         for event in effects.events:
@@ -87,7 +89,8 @@ class Controller:
         if self.on_node_lost is not None:
             for node in effects.kill_nodes:
                 self.on_node_lost(node)
-        self._cond.notify_all()
+        if wake or effects.events or effects.kill_nodes:
+            self._cond.notify_all()
         return result
 
     def _check_in_charge(self) -> None:
@@ -231,7 +234,7 @@ class Controller:
     def heartbeat(self, beat: Heartbeat) -> HeartbeatReply:
         with self._cond:
             self._check_in_charge()
-            return self._apply(lambda now: self.machine.heartbeat(now, beat))
+            return self._apply(lambda now: self.machine.heartbeat(now, beat), wake=False)
 
     def worker_event(self, data: dict[str, Any]) -> None:
         event = Event.from_dict(data)
@@ -245,7 +248,7 @@ class Controller:
         with self._cond:
             while True:
                 self._check_in_charge()
-                plan = self._apply(lambda now: self.machine.check_in(now, request))
+                plan = self._apply(lambda now: self.machine.check_in(now, request), wake=False)
                 if plan.action != PlanAction.WAIT or time.monotonic() >= deadline:
                     return plan
                 self._cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
