@@ -63,7 +63,6 @@ class Controller:
         store_host: str = "127.0.0.1",
         save_state: Callable[[dict[str, Any]], bool] | None = None,
     ) -> None:
-        self.spec = spec
         self.events = events
         self.on_node_lost = on_node_lost
         self.save_state = save_state  # failover jobs: writes the machine's state to etcd (False: deposed)
@@ -121,20 +120,12 @@ class Controller:
         return self.machine.generation
 
     @property
-    def restart_count(self) -> int:
-        return self.machine.restart_count
-
-    @property
     def exit_code(self) -> int | None:
         return self.machine.exit_code
 
     @property
     def message(self) -> str:
         return self.machine.message
-
-    @property
-    def job_id(self) -> str:
-        return self.machine.job_id
 
     @property
     def store_address(self) -> str:
@@ -152,10 +143,6 @@ class Controller:
     @property
     def nodes(self) -> dict[int, Any]:
         return self.machine.membership.nodes
-
-    @property
-    def ranks(self) -> dict[int, Any]:
-        return self.machine.membership.ranks
 
     @property
     def claimed_injections(self) -> set[int]:

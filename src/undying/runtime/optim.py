@@ -115,16 +115,29 @@ def find_loop_state(optimizers: list[CommitOptimizer], registered: Iterable[obje
     rank, a replacement and a restarted job choose the same ones. Where that would be ambiguous (two
     top-level schedulers of one class on one optimizer, two GradScalers) nothing is taken and the
     second list says what, for the user to ``register``. Objects created after this call are not
-    seen. Cost: one garbage collection and one pass over the objects it tracks (~0.1 s with torch
-    loaded, once). The collection first: a scheduler or GradScaler dropped in a reference cycle (a
-    GradScaler is tied to no optimizer) would otherwise make a live one's name ambiguous.
+    seen. Cost: one pass over the objects the garbage collector tracks (~30 ms with torch loaded,
+    once), and a collection and a second pass only where a name looks ambiguous.
     """
     optimizer_index: dict[int, int] = {}
     for index, wrapped in enumerate(optimizers):
         optimizer_index[id(wrapped)] = optimizer_index[id(wrapped.optimizer)] = index
     taken = {id(obj) for obj in registered}
+    by_name = _candidates_by_name(optimizer_index, taken)
+    if any(len(objs) > 1 for objs in by_name.values()):
+        # Perhaps a dead one kept by a reference cycle (a GradScaler is tied to no optimizer): collect,
+        # then look again. Only then: a full collection over torch's objects costs ~0.1 s, and a
+        # replacement rank searches on its way to its recovery's check-in.
+        del by_name  # our own references would keep the dead ones alive through the collection
+        gc.collect()
+        by_name = _candidates_by_name(optimizer_index, taken)
+    found = {name: objs[0] for name, objs in by_name.items() if len(objs) == 1}
+    ambiguous = [f"{len(objs)} x {name}" for name, objs in sorted(by_name.items()) if len(objs) > 1]
+    return found, ambiguous
+
+
+def _candidates_by_name(optimizer_index: dict[int, int], taken: set[int]) -> dict[str, list[Any]]:
+    """Every live LR scheduler on one of the optimizers and every GradScaler not in ``taken``, by name."""
     schedulers, scalers = [], []
-    gc.collect()
     for obj in gc.get_objects():
         # type(), not isinstance(): the latter reads __class__, which some module-level objects
         # (deprecated torch aliases) answer with a warning.
@@ -142,6 +155,4 @@ def find_loop_state(optimizers: list[CommitOptimizer], registered: Iterable[obje
     free_scalers = [scaler for scaler in scalers if id(scaler) not in taken]
     if free_scalers:
         by_name[GRAD_SCALER_NAME] = free_scalers
-    found = {name: objs[0] for name, objs in by_name.items() if len(objs) == 1}
-    ambiguous = [f"{len(objs)} x {name}" for name, objs in sorted(by_name.items()) if len(objs) > 1]
-    return found, ambiguous
+    return by_name

@@ -33,6 +33,7 @@ class ProcessRecovery:
 
     name: StrategyName
     needs_committed_survivors = True
+    begin_event = ev.RECOVERY_BEGIN  # what its start is logged as (the dump: dump_begin)
 
     def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
         raise NotImplementedError
@@ -70,8 +71,6 @@ class ProcessRecovery:
         if recovery.may_shrink:
             details["shrink_after"] = round(recovery.reschedule_deadline - now, 3)
         job.emit(self.begin_event, generation=job.generation, step=fault.step, details=details)
-
-    begin_event = ev.RECOVERY_BEGIN
 
     def gather_newcomers(self, job: JobMachine, recovery: ActiveRecovery, lost: set[int], now: float,
                          excluded: frozenset[StrategyName]) -> None:
