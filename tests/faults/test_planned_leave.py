@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FINAL_STATE, STEPS, JobRun
-from tests.faults.test_elastic import assert_same_samples_and_close
-from tests.faults.test_real_hosts import Hosts
+from tests.conftest import FINAL_STATE, JobRun
+from tests.faults.test_real_hosts import Hosts, HostsRun, assert_same_samples_and_close
 from undying import events as ev
 
 pytestmark = pytest.mark.faults
@@ -45,8 +44,11 @@ def test_sigterm_to_a_node_shrinks_the_job_at_once(reference_run: JobRun, tmp_pa
         code, output = cluster.wait(0)
     finally:
         cluster.close()
-    run = JobRun(code, output, cluster.run_dir(0), cluster.mark)
-    assert_same_samples_and_close(run, reference_run, STEPS)
+    run = HostsRun(code, output, cluster.run_dir(0), cluster.mark)
+    run.sample_dirs = (cluster.run_dir(0),)
+    # As on any fault, a survivor may give up the step in flight that a peer committed; it then
+    # receives that step, and only its record of it is missing (test_real_hosts.py says more).
+    assert_same_samples_and_close(run, reference_run)
     [lost] = run.kinds(ev.AGENT_LOST)
     assert lost.node == 1 and lost.details["planned"], lost.details
     [shrink] = run.kinds(ev.ELASTIC_SHRINK)
