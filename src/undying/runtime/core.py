@@ -295,6 +295,11 @@ class Runtime:
         if not all_ok:
             self._fail_step("a rank voted against this step")
             return False
+        if self.spec.watchdog == "on":
+            self.reporter.confirm_generation(lease=self.spec.heartbeat_timeout / 2)
+        if self.membership.aborted():
+            self._fail_step("the controller aborted this generation before the step was applied")
+            return False
         self._updated = True
         return True
 

@@ -51,6 +51,9 @@ class Reporter:
         self.abort_generation = 0  # the newest generation the controller told us to abandon
         self.end_generation = 0  # the newest generation the controller ends at a step boundary
         self.mirror_store = ""  # failover jobs: a second store for the RNG mirror (from heartbeat replies)
+        # Monotonic time at which the newest heartbeat the controller answered was sent: the
+        # controller cannot have declared this rank silent before that time + heartbeat_timeout.
+        self._answered_sent_at: float | None = None
         self._address = address
         self._token = token
         self._locator = locator_from_env(os.environ)  # failover jobs: follow the controller when it moves
@@ -82,18 +85,39 @@ class Reporter:
         client = ControllerClient(self._address, self._token, timeout=max(2.0, self.interval * 3),
                                   locator=self._locator)
         while not self._closed:
-            beat = Heartbeat(self.rank, self.node, self.generation, self.step, self.phase, os.getpid(), self.loss)
-            try:
-                reply = HeartbeatReply.from_dict(client.post(ROUTE_WORKER_HEARTBEAT, beat.to_dict()))
-                self.abort_generation = max(self.abort_generation, reply.abort_generation)
-                self.end_generation = max(self.end_generation, reply.end_generation)
-                self.mirror_store = reply.mirror_store
-            except ControllerUnreachable:
-                pass
+            self._beat(client)
             time.sleep(PROGRESS_MIN_SPACING)
             self._wake.wait(self.interval)
             self._wake.clear()
         client.close()
+
+    def _beat(self, client: ControllerClient) -> None:
+        """One heartbeat; its reply says which generations the controller aborted or ends."""
+        beat = Heartbeat(self.rank, self.node, self.generation, self.step, self.phase, os.getpid(), self.loss)
+        sent_at = time.monotonic()
+        try:
+            reply = HeartbeatReply.from_dict(client.post(ROUTE_WORKER_HEARTBEAT, beat.to_dict()))
+        except ControllerUnreachable:
+            return
+        self.abort_generation = max(self.abort_generation, reply.abort_generation)
+        self.end_generation = max(self.end_generation, reply.end_generation)
+        self.mirror_store = reply.mirror_store
+        self._answered_sent_at = max(self._answered_sent_at or sent_at, sent_at)
+
+    def confirm_generation(self, lease: float) -> None:
+        """The fence before a step is applied: unless a heartbeat sent less than ``lease`` seconds ago
+        was answered, ask the controller now (one heartbeat from the calling thread).
+
+        A rank stopped (SIGSTOP, a frozen host) longer than its heartbeat timeout may have been
+        replaced; woken, its all-reduce can still complete from bytes its peers sent before they gave
+        the step up, and without this it would apply a step the job never took. A controller that
+        does not answer cannot be replacing anyone (failover): the step goes on."""
+        if self._client is None:
+            return
+        answered = self._answered_sent_at
+        if answered is not None and time.monotonic() - answered < lease:
+            return
+        self._beat(self._client)
 
     def emit(self, kind: str, step: int | None = None, **details: Any) -> None:
         event = Event(kind=kind, node=self.node, rank=self.rank, step=self.step if step is None else step,
