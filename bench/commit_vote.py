@@ -1,8 +1,11 @@
-"""Step-commit cost: the vote folded into the gradient all-reduce vs a separate store round trip.
+"""Step-commit cost: the vote as its own one-element all-reduce, folded into the gradient all-reduce,
+or counted by a store round trip.
 
 Spawns WORLD gloo processes on loopback; each times STEPS rounds of
-(a) one all-reduce of the flat gradient buffer with one extra vote element (what undying does), and
-(b) the all-reduce of the buffer alone plus a store barrier that counts the votes.
+(a) the all-reduce of the flat gradient buffer, then a one-element float32 all-reduce of the votes
+(what undying does: the gradients are averaged during backward, the vote comes at opt.step()),
+(b) one all-reduce of the buffer with one extra vote element (what undying did before), and
+(c) the all-reduce of the buffer alone plus a store barrier that counts the votes.
 Reports the median extra cost per step of each over a plain all-reduce.
 
     python bench/commit_vote.py --world 4 --numel 1000000 --steps 50
@@ -28,12 +31,20 @@ def worker(rank: int, world: int, port: int, numel: int, steps: int, queue: mp.Q
     group = dist.ProcessGroupGloo(dist.PrefixStore("bench", store), rank, world, datetime.timedelta(seconds=60))
     plain = torch.ones(numel)
     voted = torch.ones(numel + 1)
-    timings: dict[str, list[float]] = {"plain": [], "folded": [], "store": []}
+    vote = torch.ones(1)
+    timings: dict[str, list[float]] = {"plain": [], "separate": [], "folded": [], "store": []}
     for step in range(steps):
         group.barrier().wait()
         started = time.perf_counter()
         group.allreduce([plain]).wait()
         timings["plain"].append(time.perf_counter() - started)
+        group.barrier().wait()
+        started = time.perf_counter()
+        group.allreduce([plain]).wait()
+        group.allreduce([vote]).wait()
+        assert int(vote.item()) == world
+        vote.fill_(1.0)
+        timings["separate"].append(time.perf_counter() - started)
         group.barrier().wait()
         started = time.perf_counter()
         group.allreduce([voted]).wait()
@@ -72,8 +83,10 @@ def main() -> None:
     report = {
         "world": args.world, "numel": args.numel, "steps": args.steps,
         "median_allreduce_ms": round(rank0["plain"] * 1e3, 3),
+        "median_separate_vote_ms": round(rank0["separate"] * 1e3, 3),
         "median_folded_vote_ms": round(rank0["folded"] * 1e3, 3),
         "median_store_vote_ms": round(rank0["store"] * 1e3, 3),
+        "separate_overhead_ms": round((rank0["separate"] - rank0["plain"]) * 1e3, 3),
         "folded_overhead_ms": round((rank0["folded"] - rank0["plain"]) * 1e3, 3),
         "store_overhead_ms": round((rank0["store"] - rank0["plain"]) * 1e3, 3),
     }

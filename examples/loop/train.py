@@ -3,8 +3,9 @@
 Runs in every worker process (one per rank), e.g. ``undying run examples/loop/train.py``.
 Synthetic data from a seeded generator; AdamW; warmup + cosine LambdaLR built on the wrapped
 optimizer (found by ``ft.steps()``, no ``register`` needed); ``clip_grad_norm_``; two accumulated
-micro-batches per step; bf16 autocast; dropout; a registered counter. Apart from the ``ft.*``
-calls it is an ordinary single-process PyTorch training loop.
+micro-batches per step (``no_sync`` on the first, as under DDP); bf16 autocast; dropout; a registered
+counter. Apart from the ``ft.*`` calls it is an ordinary PyTorch training loop; train_ddp.py beside
+it is the same loop under torchrun + DDP.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -79,6 +81,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--final-state", default=None, help="rank 0 saves the final parameters here (tests)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (see compile_cache)")
     args = parser.parse_args()
 
     # One thread by default: bitwise-repeatable CPU kernels, and 4 ranks fit on 2 cores.
@@ -87,7 +90,8 @@ def main() -> None:
     ft = undying.init()
     dataset = synthetic_dataset(4096, n_in=32, n_classes=8, seed=args.seed)
     torch.manual_seed(args.seed)
-    model = ft.wrap_model(MLP(32, 128, 8, args.dropout).to(ft.device))
+    mlp = MLP(32, 128, 8, args.dropout).to(ft.device)
+    model = ft.wrap_model(torch.compile(mlp) if args.compile else mlp)
     opt = ft.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
     loader = ft.dataloader(dataset, batch_size=args.batch_size, seed=args.seed)
@@ -100,14 +104,18 @@ def main() -> None:
         with step:  # optional: lets `retry` re-run a step that raised, without a process restart
             losses = []
             for x, y in loader.step_batches():
-                for x_micro, y_micro in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
-                    with torch.autocast(ft.device.type, dtype=torch.bfloat16):
-                        logits = model(x_micro.to(ft.device))
-                    loss = F.cross_entropy(logits.float(), y_micro.to(ft.device))
-                    (loss / micro_batches).backward()
+                chunks = list(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True))
+                for index, (x_micro, y_micro) in enumerate(chunks):
+                    # As with DDP: the batch's last backward averages the gradients over the ranks,
+                    # the ones before it accumulate locally.
+                    with model.no_sync() if index < len(chunks) - 1 else nullcontext():
+                        with torch.autocast(ft.device.type, dtype=torch.bfloat16):
+                            logits = model(x_micro.to(ft.device))
+                        loss = F.cross_entropy(logits.float(), y_micro.to(ft.device))
+                        (loss / micro_batches).backward()
                     losses.append(loss.item())
                     seen.samples += len(x_micro)
-            # This rank's gradients: they are averaged over the ranks inside opt.step().
+            # The averaged gradients, as under DDP: the clipping norm is the global batch's.
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
             scheduler.step()
@@ -119,8 +127,14 @@ def main() -> None:
 
     if args.final_state and ft.is_main:
         torch.save(model.module.state_dict(), args.final_state)
-    ft.finish(result={"final_loss": last_loss, "param_sha256": undying.param_sha256(model.module),
-                      "samples_seen": seen.samples, "last_lr": scheduler.get_last_lr()[0]})
+    result = {"final_loss": last_loss, "param_sha256": undying.param_sha256(model.module),
+              "samples_seen": seen.samples, "last_lr": scheduler.get_last_lr()[0]}
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        result["compiled_graphs"] = {"cache_hits": counters["inductor"]["fxgraph_cache_hit"],
+                                     "cache_misses": counters["inductor"]["fxgraph_cache_miss"]}
+    ft.finish(result=result)
 
 
 if __name__ == "__main__":

@@ -164,6 +164,12 @@ def command_run(args: argparse.Namespace) -> int:
         check_targets(injections, spec.world_size, spec.nnodes)
     except (SpecError, InjectionSpecError) as error:
         fail(str(error))
+    if spec.compile_cache:
+        try:
+            Path(spec.compile_cache).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            fail(f"compile_cache: allowed a directory this node can create and write (got "
+                 f"{spec.compile_cache!r}: {error.strerror})")
     if args.standby < 0:
         fail(f"--standby: allowed 0 or more spare nodes (got {args.standby})")
     spare_node = args.node_rank is not None and args.standby > 0

@@ -73,6 +73,9 @@ class WorkerEnv:
 
     def to_environ(self) -> dict[str, str]:
         """The variables to add to the worker's inherited environment."""
+        return {**self._contract(), **compile_cache_environ(self.spec.compile_cache)}
+
+    def _contract(self) -> dict[str, str]:
         return {
             "RANK": str(self.rank),
             "LOCAL_RANK": str(self.local_rank),
@@ -121,3 +124,14 @@ class WorkerEnv:
             master_port=int(env.get("MASTER_PORT") or "0"),
             members=tuple(int(rank) for rank in env.get(ENV_MEMBERS, "").split(",") if rank.strip()),
         )
+
+
+def compile_cache_environ(compile_cache: str | None) -> dict[str, str]:
+    """``compile_cache: DIR``: torch.compile's on-disk caches (Inductor's FX graphs and kernels,
+    AOTAutograd's graphs, Triton's kernels; all under ``TORCHINDUCTOR_CACHE_DIR``) in DIR, so a
+    replacement or restarted worker, a warm standby that becomes one, or the next job, reuses what
+    an earlier process compiled instead of compiling again. Nothing set without it (torch's default,
+    a directory under /tmp of this machine)."""
+    if not compile_cache:
+        return {}
+    return {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(compile_cache)}

@@ -1,9 +1,10 @@
 """A real loop's own state survives process-level recovery: examples/loop/train.py (warmup + cosine
 LambdaLR on the wrapped optimizer, clipping, two accumulated micro-batches, bf16 autocast, dropout,
 a registered counter) ends bitwise where a fault-free run ends after a killed worker
-(recover-in-place), an exception in the step (retry) and a hang (recover-in-place). The scheduler
-and the counter moved on in the failed step on the survivors; only the rollback of the loop's state
-to the commit boundary makes the re-run, and what the replacement receives, equal."""
+(recover-in-place), an exception in the step (retry), a hang (recover-in-place) and a lost node
+(recover). The scheduler and the counter moved on in the failed step on the survivors; only the
+rollback of the loop's state to the commit boundary makes the re-run, and what the replacement
+receives, equal."""
 
 from __future__ import annotations
 
@@ -60,3 +61,11 @@ def test_loop_state_after_hang_recover_in_place(loop_reference: JobRun, tmp_path
     run = run_loop(tmp_path, [*PROCESS_LEVEL, "--inject", f"hang:rank=3:step={FAULT_STEP}"])
     assert_same_end(run, loop_reference)
     assert_survivors_kept(run, {3}, "recover-in-place")
+
+
+def test_loop_state_after_node_loss_recover(loop_reference: JobRun, tmp_path: Path) -> None:
+    """Node 1 killed (both its workers): its ranks restart on the node's return and receive the
+    survivors' loop state as of the commit; the survivors' own was wound back to it."""
+    run = run_loop(tmp_path, [*PROCESS_LEVEL, "--inject", f"node:node=1:step={FAULT_STEP}"])
+    assert_same_end(run, loop_reference)
+    assert_survivors_kept(run, {2, 3}, "recover")

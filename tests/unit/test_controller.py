@@ -6,6 +6,8 @@ The test plays every agent (``hello``/``poll``) and worker (``heartbeat``/``reco
 
 from __future__ import annotations
 
+import json
+
 from collections.abc import Callable
 from typing import Any
 
@@ -862,3 +864,52 @@ def test_losing_an_idle_spare_is_not_a_fault(make_job):
     job.advance(0.3)
     assert job.events(ev.FAULT_DETECTED) == []
     assert job.controller.state is JobState.RUNNING
+
+
+def test_a_frozen_host_is_lost_at_its_heartbeat_timeout_not_restarted_in_place(make_job):
+    """Node 1 frozen (SIGSTOP of its agent and workers): its ranks miss their heartbeats while its
+    agent, which polls every monitor_interval, is silent too. A hung rank would be restarted in
+    place by its agent, but this agent will not: the node is lost at once and recovered (recover),
+    not first given a hopeless recover-in-place that waits for the agent's own timeout."""
+    job = recovering_job(make_job, heartbeat_timeout=3.0)
+    frozen_at = job.now()
+    while not job.events(ev.DECISION) and job.now() - frozen_at < 6.0:
+        for rank in (0, 1):
+            job.beat(rank, 7)
+        job.poll(0, 1, job.statuses(0, 1), wait=0.05)
+    [lost] = job.events(ev.AGENT_LOST)
+    assert lost.node == 1 and "frozen or cut off" in lost.details["why"], lost.details
+    [decision] = job.events(ev.DECISION)
+    assert (decision.details["strategy"], decision.details["lost_ranks"]) == ("recover", [2, 3])
+    assert 3.0 <= job.now() - frozen_at < 3.5  # at the heartbeat timeout, not the agent's 5.1 s
+
+
+def test_a_hung_rank_on_a_host_whose_agent_polls_is_restarted_in_place(make_job):
+    """The same silence of one rank with its agent polling: a hang, recovered in place."""
+    job = recovering_job(make_job, heartbeat_timeout=3.0)
+    started = job.now()
+    while not job.events(ev.DECISION) and job.now() - started < 6.0:
+        for rank in (0, 1, 3):
+            job.beat(rank, 7)
+        job.poll(0, 1, job.statuses(0, 1), wait=0.02)
+        job.poll(1, 1, job.statuses(1, 1), wait=0.02)
+    assert job.events(ev.AGENT_LOST) == []
+    [decision] = job.events(ev.DECISION)
+    assert (decision.details["strategy"], decision.details["lost_ranks"]) == ("recover-in-place", [2])
+
+
+def test_with_fault_scheduling_off_the_job_ends_after_its_dying_checkpoint(make_job):
+    """fault_scheduling: off: the dump is written, then the job ends failed (not restarted); its next
+    run resumes from the dump."""
+    job = recovering_job(make_job, step=9, nnodes=3, nproc_per_node=1, pod_rescheduling="off",
+                         fault_scheduling="off")
+    job.controller.report_agent_exit(2, -9)
+    job.wait_state(JobState.RECOVERING)
+    [decision] = job.events(ev.DECISION)
+    assert decision.details["strategy"] == "dump"
+    check_in_together(job, [survivor(job, 0, 9), survivor(job, 1, 9)])
+    job.controller.worker_event(Event(ev.DUMP_COMMITTED, node=0, rank=0, step=9, generation=2).__dict__)
+    job.wait_state(JobState.FAILED)
+    assert job.events(ev.RESTART_BEGIN) == []
+    [end] = job.events(ev.JOB_END)
+    assert "fault_scheduling is off" in json.dumps(end.details), end.details

@@ -244,3 +244,15 @@ def test_set_replicas_rejects_bad_values_with_one_line():
         loader.set_replicas(0, 2, "half")
     with pytest.raises(ValueError, match="replica 2 of 2 does not fit a world of 4 slots"):
         loader.set_replicas(2, 2)
+
+
+def test_with_the_default_elastic_batch_one_next_per_step_takes_the_whole_share():
+    """A loop that calls next() once per step (most loops) runs on through a shrink unchanged."""
+    from undying.config import JobSpec
+
+    loader = ResumableLoader(RangeDataset(64), 4, 0, 0, 4)
+    loader.set_replicas(0, 2, JobSpec().elastic_batch)
+    batch = next(loader)
+    assert not loader.step_incomplete()
+    assert batch.flatten().tolist() == epoch_order(64, seed=0, epoch=0)[:8]
+    assert loader.position == 16

@@ -61,7 +61,7 @@ def test_two_replicas_covering_four_slots_apply_the_full_batch_mean(mode: str) -
             wrapped.set_replica_share(loader.slot_count if mode == "grow" else 1, SLOTS)
             for x, y in loader.step_batches():
                 torch.nn.functional.mse_loss(wrapped(x), y).backward()
-            assert wrapped.sync_gradients()
+            wrapped.sync_gradients()
             gradients[index] = wrapped.module.weight.grad.clone()
         except BaseException as error:  # noqa: BLE001 - reported by the test thread
             errors.append(error)

@@ -1,5 +1,5 @@
-"""The GPU-path decisions that can be checked on CPU (issue 16): the commit vote counts exactly in any
-gradient dtype, RNG of the rank's own CUDA device only, one GPU per rank at start, and the bounded wait
+"""The GPU-path decisions that can be checked on CPU (issue 16): the commit vote counts exactly however
+many ranks, RNG of the rank's own CUDA device only, one GPU per rank at start, and the bounded wait
 polling an NCCL collective's completion (``torch.cuda`` and the backend's Work objects are faked)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from undying.runtime import devices, pg, rng
-from undying.runtime.ddp import FixedLayoutDDP
+from undying.runtime.ddp import FixedLayoutDDP, commit_vote
 from undying.runtime.pg import CollectiveError, GenerationGroup
 
 SIMULATED_RANKS = 300
@@ -36,48 +36,56 @@ class SequentialSumGroup:
         tensor.copy_(total)
         self.reduced.append(tensor)
 
+    def start_allreduce(self, tensor: torch.Tensor) -> None:
+        self.allreduce_sum(tensor)
 
-def wrapped(model: torch.nn.Module, group: SequentialSumGroup) -> FixedLayoutDDP:
+    def wait_work(self, op: str, work: object) -> None:
+        raise AssertionError("nothing to wait for: start_allreduce returned no work")
+
+
+def averaged(model: torch.nn.Module, group: SequentialSumGroup) -> FixedLayoutDDP:
     ddp = FixedLayoutDDP(model, lambda: group, torch.device("cpu"), broadcast=False)  # type: ignore[arg-type, return-value]
     model(torch.ones(2, 4, dtype=next(model.parameters()).dtype)).sum().backward()
+    ddp.sync_gradients()
     return ddp
 
 
 def test_a_bf16_sum_of_ones_stops_at_256() -> None:
-    """Why the vote needs its own dtype: the old vote slot (in the first bucket's dtype) miscounts."""
+    """Why the vote has its own dtype: a vote slot in a bf16 gradient bucket would miscount."""
     votes = torch.ones(1, dtype=torch.bfloat16)
     SequentialSumGroup(SIMULATED_RANKS).allreduce_sum(votes)
     assert votes.item() == 256 != SIMULATED_RANKS
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_vote_counts_300_ranks_of_a_half_precision_model(dtype: torch.dtype) -> None:
+def test_vote_counts_300_ranks_exactly() -> None:
     group = SequentialSumGroup(SIMULATED_RANKS)
-    ddp = wrapped(torch.nn.Linear(4, 3).to(dtype), group)
-    assert ddp.vote_dtype == torch.float32
-    assert ddp.sync_gradients(vote_ok=True)
+    assert commit_vote(group, True, torch.device("cpu"))  # type: ignore[arg-type]
     assert group.reduced[-1].dtype == torch.float32 and group.reduced[-1].numel() == 1
-    assert not ddp.sync_gradients(vote_ok=False)
+    assert not commit_vote(group, False, torch.device("cpu"))  # type: ignore[arg-type]
 
 
-def test_fp32_model_keeps_one_bucket_with_the_vote_slot_last() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_averages_in_its_own_dtype(dtype: torch.dtype) -> None:
+    group = SequentialSumGroup(2)
+    averaged(torch.nn.Linear(4, 3).to(dtype), group)
+    assert [t.dtype for t in group.reduced] == [dtype]
+
+
+def test_fp32_model_keeps_one_bucket_of_all_its_parameters() -> None:
     """The layout that bitwise replays (and the fault tests' digests) depend on."""
     group = SequentialSumGroup(SIMULATED_RANKS)
     model = torch.nn.Linear(4, 3)
-    ddp = wrapped(model, group)
-    assert ddp.sync_gradients(vote_ok=True)
+    averaged(model, group)
     [flat] = group.reduced
     assert flat.dtype == torch.float32
-    assert flat.numel() == sum(p.numel() for p in model.parameters()) + 1
+    assert flat.numel() == sum(p.numel() for p in model.parameters())
 
 
-def test_mixed_model_votes_in_its_fp32_bucket() -> None:
-    group = SequentialSumGroup(SIMULATED_RANKS)
+def test_mixed_model_has_one_bucket_per_dtype() -> None:
+    group = SequentialSumGroup(2)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16), torch.nn.Linear(4, 3))
     model[0].register_forward_hook(lambda _module, _inputs, output: output.float())
-    ddp = wrapped(model, group)
-    assert ddp.vote_dtype == torch.float32
-    assert ddp.sync_gradients(vote_ok=True)
+    averaged(model, group)
     assert [t.dtype for t in group.reduced] == [torch.bfloat16, torch.float32]
 
 

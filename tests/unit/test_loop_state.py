@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LinearLR, SequentialLR
 
-from undying.runtime.optim import CommitOptimizer, find_loop_state
+from undying.runtime.optim import CommitOptimizer, find_loop_state, unwrapped_optimizers
 from undying.runtime.training_state import TrainingState
 
 
@@ -224,3 +224,15 @@ def test_a_grad_scaler_forgets_a_step_that_raised_after_unscale() -> None:
     scaler.step(loop.opt)
     scaler.update()
     assert loop.inner.state[next(loop.model.parameters())]["step"] == 1
+
+
+def test_an_optimizer_over_the_model_that_is_not_wrapped_is_named() -> None:
+    """Its step() would change the model outside the step's commit: ft.steps refuses to start."""
+    model = torch.nn.Linear(3, 2)
+    wrapped = CommitOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), lambda: True, lambda _: None)
+    assert unwrapped_optimizers([wrapped], model.parameters()) == []
+    stray = torch.optim.AdamW(model.parameters())
+    assert unwrapped_optimizers([wrapped], model.parameters()) == ["AdamW"]
+    other_model = torch.optim.Adam(torch.nn.Linear(3, 2).parameters())  # not over the wrapped model
+    assert unwrapped_optimizers([wrapped], model.parameters()) == ["AdamW"]
+    del stray, other_model

@@ -337,3 +337,20 @@ def test_a_fault_while_survivors_still_restore_at_start_restarts_the_job():
     decision = decide(KILLED, restoring)
     assert decision.strategy == JOB_RESTART
     assert decision.reason.startswith("retry: survivors [0, 2, 3] still restoring; recover-in-place: survivors")
+
+
+def test_fault_scheduling_off_reschedules_nothing():
+    """fault_scheduling: off: no node is replaced and the job is not restarted; what recovers in
+    the running processes still does (retry, recover-in-place, the dying checkpoint)."""
+    spec = FULL.model_copy(update={"fault_scheduling": "off", "recover_strategy": [RECOVER_IN_PLACE, RECOVER, "exit"]})
+    one_lost = frozenset({2, 3})
+    decision = decide(NODE_LOST, context(spec, alive_nodes=frozenset({0}), lost_ranks=one_lost))
+    assert decision.strategy == EXIT
+    assert decision.reason == ("recover-in-place: the node itself is lost; recover: fault_scheduling is off "
+                               "(nothing is rescheduled); job-restart: fault_scheduling is off (nothing is "
+                               "rescheduled)")
+    assert decide(KILLED, context(spec, lost_ranks=frozenset({1}))).strategy == RECOVER_IN_PLACE
+    assert decide(NODE_LOST, context(JobSpec(fault_scheduling="off"), 0)).strategy == EXIT
+    for scheduling in ("force", "grace"):
+        on = spec.model_copy(update={"fault_scheduling": scheduling})
+        assert decide(NODE_LOST, context(on, alive_nodes=frozenset({0}), lost_ranks=one_lost)).strategy == RECOVER

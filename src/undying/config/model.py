@@ -109,8 +109,11 @@ class JobSpec(BaseModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     compile_cache: str | None = None
     warm_standby: bool = True  # each agent keeps a pre-started interpreter per rank: replacements, job restarts
-    # Elastic training: how a replica covers a lost replica's share of the global batch.
-    elastic_batch: Literal["accumulate", "grow"] = "accumulate"
+    # Elastic training: how a replica covers a lost replica's share of the global batch. grow (the
+    # default): one larger batch per step, so any loop (one next(loader) per step) runs on unchanged,
+    # at the cost of memory per forward/backward growing by the lost replicas' share (2x after losing
+    # half). accumulate: one micro-batch per slot, same memory; the loop iterates loader.step_batches().
+    elastic_batch: Literal["accumulate", "grow"] = "grow"
     # Every rank appends the sample indices of each committed step to RUN_DIR/samples/ (audits, tests).
     sample_log: bool = False
     nnodes: int = Field(1, ge=1)

@@ -23,6 +23,9 @@ UNCONFIRMED_GRACE = 4.0
 # A live agent whose poll connection closed reconnects at once; one that does not poll again
 # within this long after the close is lost (seconds, not the silence timeout of a vanished host).
 DISCONNECT_GRACE = 1.0
+# An agent polls again at most monitor_interval after its last poll; this much more silence, while
+# its ranks miss their heartbeats too, means the whole host is frozen or cut off.
+AGENT_QUIET_SLACK = 2.0
 # Heartbeats are logged at most this often per rank.
 HEARTBEAT_LOG_EVERY = 0.5
 # The longest an agent's poll or a worker's check-in is held open.
@@ -34,6 +37,7 @@ class Deadlines:
     """Seconds, each derived from the spec (or a fixed bound above)."""
 
     agent_lost_after: float  # no poll from a confirmed agent for this long: its node is lost
+    agent_quiet_after: float  # no poll for this long and a rank of the node silent too: the node is lost
     unconfirmed_agent_lost_after: float  # after a failover: an agent not heard from since is lost
     disconnected_agent_lost_after: float  # an agent whose poll connection closed and that did not poll again
     node_return: float  # waiting for every node, at the start and at a restart
@@ -51,6 +55,7 @@ class Deadlines:
     def from_spec(cls, spec: JobSpec) -> Deadlines:
         return cls(
             agent_lost_after=spec.monitor_interval * 2 + 5.0,
+            agent_quiet_after=spec.monitor_interval + AGENT_QUIET_SLACK,
             unconfirmed_agent_lost_after=spec.monitor_interval + UNCONFIRMED_GRACE,
             disconnected_agent_lost_after=DISCONNECT_GRACE,
             node_return=spec.node_return_timeout,

@@ -70,10 +70,24 @@ class FaultDetector:
                                      "did not poll again"))
                 continue
             limit = self.deadlines.agent_lost_after if node.confirmed else self.deadlines.unconfirmed_agent_lost_after
+            quiet_ranks = self._ranks_silent_with_their_agent(node, now)
             if now - node.last_seen > limit:
                 what = "no poll" if node.confirmed else "no poll since the controller failed over"
                 silent.append((node, f"{what} for {now - node.last_seen:.1f} s"))
+            elif quiet_ranks:
+                silent.append((node, f"no poll for {now - node.last_seen:.1f} s and rank(s) {quiet_ranks} "
+                                     f"without heartbeats: the host is frozen or cut off"))
         return silent
+
+    def _ranks_silent_with_their_agent(self, node: NodeRecord, now: float) -> list[int]:
+        """The node's ranks that missed their heartbeats while its agent, too, is late to poll: a hung
+        rank would be restarted in place by its agent, but a silent agent will not do it (a frozen
+        host). Empty unless the watchdog acts on hangs."""
+        if self.watchdog != "on" or not node.confirmed or now - node.last_seen <= self.deadlines.agent_quiet_after:
+            return []
+        return sorted(record.rank for record in self.membership.ranks.values()
+                      if record.node == node.node and record.exitcode is None and not record.done
+                      and record.last_heartbeat is not None and now - record.last_heartbeat > self.deadlines.heartbeat)
 
     def record_heartbeat(self, record: RankRecord, beat: Heartbeat, now: float) -> None:
         """A heartbeat of the rank's current process: its step, phase and liveness."""

@@ -3,9 +3,9 @@
 Runs in every worker process. It reads the environment its agent set (worker_env.py), joins
 the job's store and this generation's process group, and serves the user's loop: ``steps()``
 restores the newest verified checkpoint (runtime/snapshots.py) or, for a replacement rank,
-recovers first; it fires injected faults, runs each step as a transaction that every rank
-commits or none does, writes periodic checkpoints, and hands a failed step to the recovery
-client (runtime/recovery_client.py) before re-running it.
+recovers first; it runs each step as a transaction that every rank commits or none does
+(runtime/step_transaction.py), writes periodic checkpoints, and hands a failed step to the
+recovery client (runtime/recovery_client.py) before re-running it.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.devices import choose_backend, choose_device
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
-from undying.runtime.optim import CommitOptimizer
-from undying.runtime.pg import CollectiveError, reapers_alive
+from undying.runtime.optim import CommitOptimizer, unwrapped_optimizers
+from undying.runtime.pg import reapers_alive
 from undying.runtime.recovery_client import RecoveryClient
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng_mirror import MIRROR_TIMEOUT_S, RngMirror
 from undying.runtime.snapshots import CheckpointEngine, checkpoint_root
+from undying.runtime.step_transaction import StepTransaction
 from undying.runtime.training_state import Stateful, TrainingState
 from undying.strategy_names import StrategyName
 from undying.worker_env import WorkerEnv
@@ -66,7 +67,7 @@ class Step(int):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> bool:
-        return self._runtime._step_raised(exc)
+        return self._runtime.transaction.step_raised(exc)
 
 
 class Runtime:
@@ -101,9 +102,6 @@ class Runtime:
                                           self.local_rank)
         self._resumed_from: int | None = None
         self.finished = False
-        self._step_failure: str | None = None
-        self._voted = False
-        self._updated = False
         self._loop_state_registered = False
         # Its own bounded store connection: a mirror write happens every step, and a store whose
         # host froze must not hold the step for ``start_timeout``.
@@ -114,6 +112,8 @@ class Runtime:
                                             checkpoint_root(self.spec, self.run_dir), env.job_id)
         self.recovery = RecoveryClient(self.spec, self.membership, self.state, self.reporter, self.rng_mirror,
                                        self.injections, self.checkpoints)
+        self.transaction = StepTransaction(self.spec, self.state, self.membership, self.reporter, self.rng_mirror,
+                                           self.injections, self.device)
         self.reporter.emit(ev.WORKER_READY, step=0, seconds=round(time.time() - started, 4),
                            backend=self.backend, pid=os.getpid(), joining=self.joining)
 
@@ -158,10 +158,14 @@ class Runtime:
         return self.state.loaders
 
     def wrap_model(self, model: torch.nn.Module) -> FixedLayoutDDP:
+        wrapped_already = [wrapped.module for wrapped in self.state.models]
+        if any(model is module or getattr(model, "_orig_mod", None) is module for module in wrapped_already):
+            raise ValueError(f"ft.wrap_model: this {type(model).__name__} is already wrapped; wrap each model once")
         # A replacement rank gets its parameters in the repair step, not by a broadcast
         # the live ranks would not take part in.
         wrapped = FixedLayoutDDP(model.to(self.device), self.membership.current_group, self.device,
-                                 broadcast=not self.joining)
+                                 broadcast=not self.joining, ready_to_sync=self.transaction.batches_taken,
+                                 set_phase=self.transaction.set_phase)
         self.state.models.append(wrapped)
         self.state.apply_members(self.membership, self.spec.elastic_batch)
         return wrapped
@@ -169,13 +173,41 @@ class Runtime:
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> CommitOptimizer:
         """The optimizer whose ``step()`` commits the step on every rank or on none. It is a
         ``torch.optim.Optimizer``: build LR schedulers (and GradScaler) on it as on the original."""
-        wrapped = CommitOptimizer(optimizer, self._sync_all_gradients, self._set_phase,
-                                  self._fire_raise_injections_now, self.checkpoints.settle)
+        wrapped = CommitOptimizer(optimizer, self.transaction.commit, self.transaction.set_phase,
+                                  self.transaction.fire_raise_injections, self.checkpoints.settle)
         self.state.optimizers.append(wrapped)
         return wrapped
 
-    def dataloader(self, dataset: Any, batch_size: int, seed: int = 0, collate_fn: Any = None) -> ResumableLoader:
-        loader = ResumableLoader(dataset, batch_size, seed, self.rank, self.world_size, collate_fn)
+    def dataloader(self, dataset: Any, batch_size: int | None = None, seed: int = 0, collate_fn: Any = None,
+                   num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = False,
+                   prefetch_factor: int | None = None, worker_init_fn: Any = None) -> Any:
+        """This rank's batches, their position part of the step transaction.
+
+        A map-style dataset (len and __getitem__) gets a ``ResumableLoader``: one global order per
+        epoch, this rank's share of each step, read through a torch DataLoader with these options
+        (``pin_memory`` only where the device is CUDA). An iterable with state_dict/load_state_dict
+        (torchdata's StatefulDataLoader, a stateful IterableDataset: ``batch_size`` samples per batch,
+        or None if it yields batches) is wrapped and registered instead; it has no global order to
+        respread, so a job that may shrink (``elastic-training``) refuses it."""
+        from undying.data import is_map_style
+        from undying.data_iterable import iterable_loader
+
+        if not is_map_style(dataset):
+            stateful = iterable_loader(dataset, batch_size, collate_fn,
+                                       elastic=StrategyName.ELASTIC in self.spec.recover_strategy,
+                                       worker_options={"num_workers": num_workers, "pin_memory": pin_memory,
+                                                       "persistent_workers": persistent_workers,
+                                                       "prefetch_factor": prefetch_factor,
+                                                       "worker_init_fn": worker_init_fn})
+            self.state.register(f"dataloader.{sum(name.startswith('dataloader.') for name in self.state.statefuls)}",
+                                stateful)
+            return stateful
+        if batch_size is None:
+            raise ValueError("ft.dataloader: batch_size is required for a map-style dataset (an integer >= 1)")
+        loader = ResumableLoader(dataset, batch_size, seed, self.rank, self.world_size, collate_fn,
+                                 num_workers=num_workers, pin_memory=pin_memory and self.device.type == "cuda",
+                                 persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+                                 worker_init_fn=worker_init_fn)
         self.state.loaders.append(loader)
         self.state.apply_members(self.membership, self.spec.elastic_batch)
         return loader
@@ -211,12 +243,11 @@ class Runtime:
         step = self.state.committed_step
         first = True
         while step < max_steps:
-            self._begin_step(step)
+            self.transaction.begin(step)
             yield Step(step, self)
-            if self._step_failure is None and not self._updated and self.membership.aborted():
-                self._step_failure = "the controller aborted this generation"
-            if self._step_failure is not None:
-                self._recover(self._step_failure)
+            failure = self.transaction.end()
+            if failure is not None:
+                self._recover(failure)
                 step = self.state.committed_step
                 first = True
                 continue
@@ -241,6 +272,7 @@ class Runtime:
     def finish(self, result: dict[str, Any] | None = None) -> None:
         """End of training: rank 0 writes RUN_DIR/result.json; every rank says it is done."""
         self.checkpoints.close()  # the last checkpoint is committed before the job may end
+        self.membership.close()  # torch.distributed's default group, destroyed the ordinary way
         if self.is_main:
             payload = {"final_step": self.state.committed_step, "world_size": self.world_size,
                        "replicas": self.replicas, "generation": self.generation, **(result or {})}
@@ -256,68 +288,7 @@ class Runtime:
         # (measured: ~3 s per worker on these machines); nothing left is garbage worth that.
         gc.freeze()
 
-    # ------------------------------------------------------------- the step transaction
-
-    def _begin_step(self, step: int) -> None:
-        self._step_failure = None
-        self._voted = False
-        self._updated = False
-        for loader in self.state.loaders:
-            loader.begin_step()
-        self._set_phase(Phase.COMPUTING)
-        self.injections.at_step_start(step)
-
-    def _fire_raise_injections_now(self) -> None:
-        """Called by opt.step(): a ``raise`` injection fires inside the step body even unguarded."""
-        self.injections.in_step_body(self.state.committed_step)
-
-    def _sync_all_gradients(self, vote_ok: bool = True) -> bool:
-        """The commit vote: True iff every rank's step succeeded and the gradients are averaged."""
-        if self._voted:
-            return self._step_failure is None
-        incomplete = [loader for loader in self.state.loaders if loader.step_incomplete()]
-        if incomplete and vote_ok:
-            loader = incomplete[0]
-            raise RuntimeError(
-                f"loader: this step took fewer than its {loader.micro_batches} micro-batches; with "
-                f"elastic_batch=accumulate a shrunk replica covers several batch slots, so iterate "
-                f"`for batch in loader.step_batches():` (or set elastic_batch: grow)")
-        self._voted = True
-        self._set_phase(Phase.SYNCING)
-        if vote_ok:
-            # The RNG state a replay of the next step starts from, mirrored before the step commits.
-            self.rng_mirror.write_rng(self.state.committed_step + 1)
-        try:
-            all_ok = all([model.sync_gradients(vote_ok) for model in self.state.models])
-        except CollectiveError as error:
-            self._fail_step(f"gradient all-reduce failed: {error}")
-            return False
-        if not all_ok:
-            self._fail_step("a rank voted against this step")
-            return False
-        if self.spec.watchdog == "on":
-            self.reporter.confirm_generation(lease=self.spec.heartbeat_timeout / 2)
-        if self.membership.aborted():
-            self._fail_step("the controller aborted this generation before the step was applied")
-            return False
-        self._updated = True
-        return True
-
-    def _step_raised(self, error: BaseException | None) -> bool:
-        """The ``with step:`` guard saw the body end; True suppresses its exception (the step retries)."""
-        if error is None or not isinstance(error, Exception):
-            return False
-        if self._updated or StrategyName.RETRY not in self.spec.recover_strategy:
-            return False
-        self._fail_step(f"exception in step: {error!r}")
-        if not self._voted:
-            # Vote no in the all-reduce the other ranks are waiting in, so nobody applies this step.
-            self._sync_all_gradients(vote_ok=False)
-        return True
-
-    def _fail_step(self, reason: str) -> None:
-        if self._step_failure is None:
-            self._step_failure = reason
+    # ------------------------------------------------------------- around the step transaction
 
     def _register_loop_state(self) -> None:
         """Once, before the first step: take the unregistered schedulers and GradScalers into the
@@ -325,6 +296,12 @@ class Runtime:
         if self._loop_state_registered:
             return
         self._loop_state_registered = True
+        stray = unwrapped_optimizers(self.state.optimizers,
+                                     [param for model in self.state.models for param in model.parameters()])
+        if stray:
+            raise ValueError(f"ft.steps: an optimizer over the wrapped model's parameters is not wrapped: "
+                             f"{', '.join(stray)}; pass it through ft.wrap_optimizer (its step() would "
+                             f"change the model outside the step's commit)")
         left_out = self.state.register_loop_state()
         if left_out:
             warnings.warn(f"undying: not part of the step transaction (a failed step would leave them "
@@ -350,9 +327,6 @@ class Runtime:
                                         "slots": loader.slot_count} for loader in self.state.loaders]})
         with open(directory / f"rank{self.rank:05d}.jsonl", "a") as log:
             log.write(line + "\n")
-
-    def _set_phase(self, phase: str) -> None:
-        self.reporter.update(phase=phase)
 
 
 _runtime: Runtime | None = None

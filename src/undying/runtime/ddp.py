@@ -1,49 +1,69 @@
-"""Gradient sync with a fixed layout: DDP semantics whose float sums replay bit for bit.
+"""Gradient averaging with DDP's semantics in a fixed layout whose float sums replay bit for bit.
 
-Runs in the worker. Stock DDP rebuilds its buckets after the first iteration, so the
-first step after a restart sums gradients in a different layout and the run
-diverges (measured: docs/design.md, "Why the gradient sync is not DDP"). Here the layout depends only on the
-parameter list: one flat buffer per dtype, parameters in registration order, plus
-one vote slot. Every replay of a step therefore sums every element in the same
-ring position and order. The vote is summed in a dtype that counts ranks exactly (a bf16
-sum of ones stops at 256): in the float32 (or float64) buffer, else in a one-element float32
-all-reduce of its own.
+Runs in the worker. As under DDP, gradients are averaged while ``backward()`` runs: each bucket's
+all-reduce starts as soon as the gradients of its parameters are accumulated (overlapped with the
+rest of the backward pass) and ``backward()`` returns with every rank holding the same averaged
+gradients, so clipping, a GradScaler's inf check and norm logging see them. ``model.no_sync()``
+skips the average for accumulation micro-batches. Stock DDP rebuilds its buckets after the first
+iteration, so the first step after a restart would sum in another layout; here the layout depends
+only on the parameter list (docs/design.md, "Why the gradient sync is not DDP"). The commit vote
+is its own one-element float32 all-reduce at ``opt.step()``, the last point where a rank can fail.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from undying.runtime.pg import GenerationGroup, flat_views
+from undying.protocol import Phase
+from undying.runtime.pg import CollectiveError, GenerationGroup, flat_views
 
-# Dtypes whose sum of ones stays exact far beyond any job's size (float32: up to 2**24 ranks).
-EXACT_VOTE_DTYPES = (torch.float32, torch.float64)
-SEPARATE_VOTE_DTYPE = torch.float32  # the vote's own all-reduce when no gradient bucket counts exactly
+# A bucket is cut once it holds this many bytes (DDP's default cap): large enough that each
+# all-reduce is bandwidth-bound, small enough that the first one starts early in the backward pass.
+BUCKET_CAP_BYTES = 25 * 1024 * 1024
+VOTE_DTYPE = torch.float32  # counts ranks exactly up to 2**24 (a bf16 sum of ones stops at 256)
 
 
-def vote_bucket_index(dtypes: list[torch.dtype]) -> int | None:
-    """Which gradient bucket carries the vote slot: the first whose dtype counts ranks exactly, or
-    None (the vote is then all-reduced on its own). An fp32-only model keeps its one bucket + slot."""
-    for index, dtype in enumerate(dtypes):
-        if dtype in EXACT_VOTE_DTYPES:
-            return index
-    return None
+def bucket_layout(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """The fixed buckets: one dtype each (in order of first appearance), parameters in reverse
+    registration order (the order backward produces them), cut when a bucket reaches ``cap_bytes``
+    (a larger parameter is a bucket of its own). Depends only on the parameter list."""
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for param in params:
+        by_dtype.setdefault(param.dtype, []).append(param)
+    buckets: list[list[torch.nn.Parameter]] = []
+    for same_dtype in by_dtype.values():
+        current: list[torch.nn.Parameter] = []
+        size = 0
+        for param in reversed(same_dtype):
+            nbytes = param.numel() * param.element_size()
+            if current and size + nbytes > cap_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(param)
+            size += nbytes
+        buckets.append(current)
+    return buckets
+
+
+def commit_vote(group: GenerationGroup, ok: bool, device: torch.device) -> bool:
+    """The commit vote: True iff every rank of ``group`` voted ``ok`` (one float32 all-reduce)."""
+    votes = torch.full((1,), 1.0 if ok else 0.0, dtype=VOTE_DTYPE, device=device)
+    group.allreduce_sum(votes)
+    return int(votes.item()) == group.world_size
 
 
 class _Bucket:
-    """One flat buffer holding the gradients of all parameters of one dtype."""
+    """One flat buffer holding the gradients of a fixed run of parameters of one dtype."""
 
-    def __init__(self, params: list[torch.nn.Parameter], device: torch.device, with_vote: bool,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
         self.params = params
-        numel = sum(p.numel() for p in params)
-        self.vote_index = numel if with_vote else None
-        self.numel = numel
-        self.flat = torch.zeros(numel + (1 if with_vote else 0), dtype=dtype or params[0].dtype, device=device)
-        self.views = flat_views(params, self.flat[:numel])
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+        self.views = flat_views(params, self.flat)
         self.generation: int | None = None  # the generation whose collectives this buffer was given to
 
     def use_in(self, generation: int) -> None:
@@ -52,49 +72,88 @@ class _Bucket:
         its part), and it must not land in the gradients of a later step."""
         if self.generation is not None and self.generation != generation:
             self.flat = torch.zeros_like(self.flat)
-            self.views = flat_views(self.params, self.flat[:self.numel])
+            self.views = flat_views(self.params, self.flat)
         self.generation = generation
+
+    @torch.no_grad()
+    def gather(self, weight: int) -> None:
+        """This rank's gradients into the buffer (zeros for a parameter without one), times ``weight``."""
+        for param, view in zip(self.params, self.views, strict=True):
+            if param.grad is None:
+                view.zero_()
+            else:
+                view.copy_(param.grad)
+        if weight != 1:
+            self.flat.mul_(weight)
+
+    @torch.no_grad()
+    def scatter(self, divisor: int) -> None:
+        """The summed buffer divided by ``divisor`` back into the parameters' gradients."""
+        self.flat.div_(divisor)
+        for param, view in zip(self.params, self.views, strict=True):
+            if param.grad is None:
+                param.grad = view.clone()
+            else:
+                param.grad.copy_(view)
 
 
 class FixedLayoutDDP(torch.nn.Module):
     """Wraps a model so gradients are averaged over the current data-parallel world.
 
-    Guarantees: after ``sync_gradients()`` every rank holds the same averaged
-    gradients, computed in an order that depends only on the parameter list and
-    the world size (bitwise-reproducible replays). Parameters and buffers start
-    equal on every rank (broadcast from rank 0 at wrap time). Does not overlap
-    communication with the backward pass; the sync happens once, at ``opt.step()``.
-    A parameter without a gradient on a rank contributes zeros.
+    Guarantees: within a step (``begin_step``), the backward pass that is not under ``no_sync()``
+    and comes after the step's last micro-batch was taken (``ready_to_sync``) averages the
+    gradients: when it returns, every rank holds the same averaged gradients, summed in an order
+    that depends only on the parameter list and the world size (bitwise-reproducible replays).
+    Backward passes before it accumulate locally. ``sync_gradients()`` completes the average of a
+    step whose backward did not (no backward, a failed rank voting no): every rank issues the same
+    collectives in the same order either way. A second averaged backward in one step raises: wrap
+    the earlier ones in ``no_sync()``, as with DDP. Parameters and buffers start equal on every
+    rank (broadcast from rank 0 at wrap time). A parameter without a gradient contributes zeros.
 
     After an elastic shrink (``set_replica_share``) the average stays the one over the
     job's full global batch: each replica's gradient is weighted by the share of the
     step's batch slots it covered and the sum is divided by the number of slots.
+
+    Not guaranteed: reentrant activation checkpointing (``use_reentrant=True``) runs nested
+    backward passes whose end is taken for the end of the whole one; use the non-reentrant kind.
     """
 
     def __init__(self, module: torch.nn.Module, group_of: Callable[[], GenerationGroup],
-                 device: torch.device, broadcast: bool = True) -> None:
+                 device: torch.device, broadcast: bool = True,
+                 ready_to_sync: Callable[[], bool] = lambda: True,
+                 bucket_cap_bytes: int = BUCKET_CAP_BYTES,
+                 set_phase: Callable[[str], None] = lambda _phase: None) -> None:
         super().__init__()
-        self.module = module
+        if isinstance(module, (FixedLayoutDDP, torch.nn.parallel.DistributedDataParallel)):
+            raise ValueError(f"ft.wrap_model: the model is already wrapped by {type(module).__name__}; "
+                             f"pass the plain module (undying averages its gradients itself)")
+        # A torch.compile'd model trains through its compiled wrapper, but its state (checkpoints,
+        # the repair, digests) is the plain module's: keys without "_orig_mod.", loadable either way.
+        compiled = module if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module) else None
+        self.module: torch.nn.Module = compiled._orig_mod if compiled is not None else module  # type: ignore[assignment]
+        object.__setattr__(self, "_call", compiled if compiled is not None else self.module)  # not a submodule
         self._group_of = group_of
+        self._ready_to_sync = ready_to_sync
+        # Waiting for peers is `syncing` to the controller: a rank `computing` for step_timeout with
+        # no progress is taken for stalled, and the one stalled is the peer, not the waiting rank.
+        self._set_phase = set_phase
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("wrap_model: the model has no parameters that require gradients")
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for param in params:
-            by_dtype.setdefault(param.dtype, []).append(param)
-        vote_in = vote_bucket_index(list(by_dtype))
-        self._buckets = [_Bucket(group, device, with_vote=(index == vote_in))
-                         for index, group in enumerate(by_dtype.values())]
-        # No exact gradient dtype (a bf16/fp16-only model): the vote is its own one-element all-reduce.
-        self._vote_bucket = (None if vote_in is not None
-                             else _Bucket([], device, with_vote=True, dtype=SEPARATE_VOTE_DTYPE))
+        self._buckets = [_Bucket(run, device) for run in bucket_layout(params, bucket_cap_bytes)]
+        self._bucket_of = {id(p): index for index, bucket in enumerate(self._buckets) for p in bucket.params}
         self._gradient_weight = 1  # slots covered by one backward of this replica (elastic ``grow``)
         self._slots_per_step: int | None = None  # None: divide by the process group's size
+        self._sync_enabled = True  # False inside no_sync()
+        self._in_step = False
+        self._reset_step()
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._gradient_ready)
         if broadcast:
             self.sync_parameters()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self._call(*args, **kwargs)  # type: ignore[operator]  # set with object.__setattr__
 
     @torch.no_grad()
     def sync_parameters(self, root: int = 0) -> None:
@@ -117,43 +176,105 @@ class FixedLayoutDDP(torch.nn.Module):
         self._gradient_weight = gradient_weight
         self._slots_per_step = slots_per_step
 
-    @torch.no_grad()
-    def sync_gradients(self, vote_ok: bool = True) -> bool:
-        """Average gradients over the world; returns True iff every rank voted its step ok."""
-        group = self._group_of()
-        world_size = group.world_size
-        all_ok = True
-        for bucket in self._buckets:
-            bucket.use_in(group.generation)
-            for param, view in zip(bucket.params, bucket.views, strict=True):
-                if param.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(param.grad)
-            if self._gradient_weight != 1:
-                bucket.flat.mul_(self._gradient_weight)
-            if bucket.vote_index is not None:
-                bucket.flat[bucket.vote_index] = 1.0 if vote_ok else 0.0
-            group.allreduce_sum(bucket.flat)
-            if bucket.vote_index is not None:
-                all_ok = int(bucket.flat[bucket.vote_index].item()) == world_size
-            bucket.flat.div_(self._slots_per_step or world_size)
-            for param, view in zip(bucket.params, bucket.views, strict=True):
-                if param.grad is None:
-                    param.grad = view.clone()
-                else:
-                    param.grad.copy_(view)
-        if self._vote_bucket is not None:
-            vote = self._vote_bucket
-            vote.use_in(group.generation)
-            vote.flat[0] = 1.0 if vote_ok else 0.0
-            group.allreduce_sum(vote.flat)
-            all_ok = int(vote.flat[0].item()) == world_size
-        return all_ok
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without averaging them (as DDP's)."""
+        before = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = before
 
-    @property
-    def vote_dtype(self) -> torch.dtype:
-        """The dtype the commit vote is summed in."""
-        if self._vote_bucket is not None:
-            return self._vote_bucket.flat.dtype
-        return next(bucket.flat.dtype for bucket in self._buckets if bucket.vote_index is not None)
+    # ------------------------------------------------------------- one step's average
+
+    def begin_step(self) -> None:
+        """A new step: its gradients have not been averaged yet."""
+        self._in_step = True
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._averaged = False  # this step's gradients were averaged (or the attempt failed)
+        self._failure: CollectiveError | None = None
+        self._pending: list[tuple[_Bucket, dist.Work | None]] = []  # launched, in bucket order
+        self._ready: list[int] = [0] * len(self._buckets)  # gradients accumulated, per bucket
+        self._backward_running = False
+        self._backward_averages = False
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        """Post-accumulate hook of every parameter: start each bucket's all-reduce, in bucket order,
+        once its gradients are in."""
+        if not self._in_step:
+            return
+        if not self._backward_running:
+            self._backward_running = True
+            self._backward_averages = self._sync_enabled and self._ready_to_sync()
+            if self._backward_averages and self._averaged:
+                raise RuntimeError("undying: a second backward pass averaged the gradients of this step; "
+                                   "wrap the earlier backward passes of the step in `with model.no_sync():` "
+                                   "(as with DDP)")
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+        if not self._backward_averages:
+            return
+        self._ready[self._bucket_of[id(param)]] += 1
+        while (len(self._pending) < len(self._buckets)
+               and self._ready[len(self._pending)] == len(self._buckets[len(self._pending)].params)):
+            self._launch_next()
+
+    def _backward_finished(self) -> None:
+        averages = self._backward_averages
+        self._backward_running = self._backward_averages = False
+        if averages:
+            self._complete()
+
+    def _launch_next(self) -> None:
+        bucket = self._buckets[len(self._pending)]
+        group = self._group_of()
+        if self._failure is not None:
+            self._pending.append((bucket, None))
+            return
+        bucket.use_in(group.generation)
+        bucket.gather(self._gradient_weight)
+        try:
+            self._pending.append((bucket, group.start_allreduce(bucket.flat)))
+        except CollectiveError as error:
+            self._failure = error.retold()
+            self._pending.append((bucket, None))
+
+    def _complete(self) -> None:
+        """Launch the buckets not yet launched (parameters unused in this backward), wait for every
+        all-reduce, write the averages back. A failed collective is kept, not raised: the step
+        fails at ``opt.step()`` (``sync_gradients``), where the runtime decides."""
+        while len(self._pending) < len(self._buckets):
+            self._launch_next()
+        group = self._group_of()
+        self._set_phase(Phase.SYNCING)
+        pending, self._pending = self._pending, []
+        work: dist.Work | None = None
+        for bucket, work in pending:
+            self._pending.append((bucket, None))  # no reference to a work outlives its wait
+            if work is None:
+                continue
+            if self._failure is not None:
+                group.abandon_work(work)  # dies with the group, in its reaper thread
+                continue
+            try:
+                group.wait_work("allreduce", work)
+            except CollectiveError as error:
+                self._failure = error.retold()
+        del pending, work
+        self._set_phase(Phase.COMPUTING)
+        self._averaged = True
+        if self._failure is None:
+            for bucket, _ in self._pending:
+                bucket.scatter(self._slots_per_step or group.world_size)
+
+    def sync_gradients(self) -> None:
+        """Make sure this step's gradients are averaged (a no-op if its backward did it); raises the
+        ``CollectiveError`` of a failed all-reduce. Outside a step it always averages anew."""
+        if not self._in_step:
+            self._reset_step()
+        if not self._averaged:
+            self._complete()
+        if self._failure is not None:
+            raise self._failure.retold()

@@ -15,6 +15,7 @@ from undying.client import parse_address
 from undying.config import JobSpec
 from undying.protocol import Plan
 from undying.runtime.bounded_store import BoundedStore, connect_bounded
+from undying.runtime.default_group import DefaultGroup
 from undying.runtime.pg import GenerationGroup, connect_store
 from undying.runtime.reporter import Reporter
 from undying.worker_env import WorkerEnv
@@ -42,6 +43,7 @@ class Membership:
         # after an elastic shrink (a job restarted at that size starts with them).
         self.members: list[int] = list(env.members) or list(range(self.world_size))
         self.group: GenerationGroup | None = None
+        self.default_group: DefaultGroup | None = None  # torch.distributed's default group, same members
 
     @property
     def group_rank(self) -> int:
@@ -75,12 +77,22 @@ class Membership:
         self.group = GenerationGroup(store, self.store_prefix, self.generation, self.group_rank, self.replicas,
                                      self.backend, deadline, self.device, should_abort=self.aborted,
                                      join_timeout=self._spec.start_timeout)
+        self.default_group = DefaultGroup(self.group, self.aborted)
         return self.group
 
     def leave_group(self) -> None:
+        if self.default_group is not None:
+            self.default_group.drop()
+            self.default_group = None
         if self.group is not None:
             self.group.abandon()
             self.group = None
+
+    def close(self) -> None:
+        """End of training: destroy torch's default group the ordinary way."""
+        if self.default_group is not None:
+            self.default_group.destroy()
+            self.default_group = None
 
     def enter(self, plan: Plan) -> None:
         """Become part of the plan's generation (its group is built next: ``build_group``)."""

@@ -40,6 +40,12 @@ class CollectiveError(RuntimeError):
         self.op = op
         self.rank = rank
         self.generation = generation
+        self.cause_text = str(cause)
+
+    def retold(self) -> CollectiveError:
+        """The same error as a fresh object with no traceback or context: one kept to be raised later
+        must not keep alive the frames (and through them the dropped group) it was raised through."""
+        return CollectiveError(self.op, self.rank, self.generation, RuntimeError(self.cause_text))
 
 
 def connect_store(host: str, port: int, timeout: float) -> dist.Store:
@@ -69,6 +75,7 @@ class GenerationGroup:
         self.comm_timeout = datetime.timedelta(seconds=comm_timeout or BACKEND_TIMEOUT_S)
         self._abandoned: list[dist.Work] = []
         self._aborted = False
+        self._abort_also: list[Callable[[], None]] = []
         self.group = self._build_abortable(backend, backend_timeout, join_timeout)
 
     def _build_abortable(self, backend: str, timeout: datetime.timedelta, join_timeout: float) -> dist.ProcessGroup:
@@ -167,6 +174,29 @@ class GenerationGroup:
         except Exception as error:
             raise CollectiveError("allreduce", self.rank, self.generation, error) from None
 
+    def start_allreduce(self, tensor: torch.Tensor) -> dist.Work | None:
+        """Start an in-place sum over the generation's ranks; finish it with ``wait_work`` (None: a
+        group of one, nothing to wait for). Collectives started this way complete in start order."""
+        if self.world_size == 1:
+            return None
+        try:
+            return self.group.allreduce([tensor])
+        except Exception as error:
+            raise CollectiveError("allreduce", self.rank, self.generation, error) from None
+
+    def wait_work(self, op: str, work: dist.Work) -> None:
+        """Wait for a started collective, bounded like every other (comm_timeout, an abort)."""
+        try:
+            self._wait(op, work)
+        except CollectiveError:
+            raise
+        except Exception as error:
+            raise CollectiveError(op, self.rank, self.generation, error) from None
+
+    def abandon_work(self, work: dist.Work) -> None:
+        """Give up a started collective without waiting: it is dropped with the group (``abandon``)."""
+        self._abandoned.append(work)
+
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
         if self.world_size == 1:
             return
@@ -224,10 +254,15 @@ class GenerationGroup:
         if self.backend != "nccl" or self._aborted or abort is None:
             return
         self._aborted = True
-        try:
-            abort()
-        except Exception:  # noqa: BLE001, S110 - the group is being dropped either way
-            pass
+        for abort_other in [abort, *self._abort_also]:
+            try:
+                abort_other()
+            except Exception:  # noqa: BLE001, S110 - the group is being dropped either way
+                pass
+
+    def abort_also(self, abort: Callable[[], None]) -> None:
+        """Have ``abort_backend`` also call ``abort`` (a second group of this generation's members)."""
+        self._abort_also.append(abort)
 
     def abandon(self) -> None:
         """Drop this generation's group without blocking: its destructor may wait for its own timeout,
@@ -237,9 +272,7 @@ class GenerationGroup:
         group, works = self.group, self._abandoned
         self.group = None  # type: ignore[assignment]
         self._abandoned = []
-        reaper = threading.Thread(target=_reap, args=(group, works), name="undying-reaper", daemon=True)
-        _reapers.append(reaper)
-        reaper.start()
+        start_reaper(_reap, group, works)
 
 
 def _settled(work: dist.Work, finished: threading.Event, poll_device: bool) -> bool:
@@ -271,6 +304,14 @@ def _blocking_wait(work: dist.Work, finished: threading.Event, failure: list[Bas
 
 
 _reapers: list[threading.Thread] = []
+
+
+def start_reaper(reap: Callable[..., None], *doomed: object) -> None:
+    """Run ``reap(*doomed)`` on a thread that ``reapers_alive`` counts: the thread's arguments are
+    the last references to a dropped group, whose teardown may wait on a dead peer."""
+    reaper = threading.Thread(target=reap, args=doomed, name="undying-reaper", daemon=True)
+    _reapers.append(reaper)
+    reaper.start()
 
 
 def reapers_alive() -> bool:

@@ -92,6 +92,15 @@ def within_budget(context: RecoveryContext) -> str | None:
     return None
 
 
+def rescheduling_off(context: RecoveryContext) -> str | None:
+    """Why not, when the job asked for no rescheduling after a fault (``fault_scheduling: off``): no
+    node is replaced and the job is not restarted; what recovers inside the running processes and
+    nodes (retry, recover-in-place, an elastic shrink, the dying checkpoint) still may."""
+    if context.spec.fault_scheduling == "off":
+        return "fault_scheduling is off (nothing is rescheduled)"
+    return None
+
+
 def strategy_enabled(spec: JobSpec, name: StrategyName) -> bool:
     """The job asked for this strategy (process-level recovery on and the name in recover_strategy)."""
     return spec.process_recover and name in spec.recover_strategy

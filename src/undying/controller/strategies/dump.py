@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from undying import events as ev
+from undying.controller.state import EXIT_FAILED, JobState
 from undying.controller.strategies.base import RecoveryContext, within_budget
 from undying.controller.strategies.job_restart import begin_job_restart
 from undying.controller.strategies.process import ProcessRecovery
@@ -39,6 +40,12 @@ class Dump(ProcessRecovery):
         return None  # nothing restarts before the dump: the job restarts after it
 
     def on_worker_event(self, job: JobMachine, event: Event, now: float) -> None:
-        if event.kind == ev.DUMP_COMMITTED:
-            # The dump already counted against max_restarts: the restart that loads it is the same recovery.
-            begin_job_restart(job, f"dying checkpoint of step {event.step} committed", now, count=False)
+        if event.kind != ev.DUMP_COMMITTED:
+            return
+        why = f"dying checkpoint of step {event.step} committed"
+        if job.spec.fault_scheduling == "off":
+            # No restart to load it: the job ends, and its next run resumes from the dump.
+            job.finish(JobState.FAILED, EXIT_FAILED, f"{why}; fault_scheduling is off, the job is not restarted", now)
+            return
+        # The dump already counted against max_restarts: the restart that loads it is the same recovery.
+        begin_job_restart(job, why, now, count=False)

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 from undying import events as ev
 from undying.controller.deadlines import Deadlines
 from undying.controller.state import EXIT_FAILED, JobState
-from undying.controller.strategies.base import Attempt, RecoveryContext, strategy_enabled, within_budget
+from undying.controller.strategies.base import (
+    Attempt,
+    RecoveryContext,
+    rescheduling_off,
+    strategy_enabled,
+    within_budget,
+)
 from undying.events import Event
 from undying.faults import Fault
 from undying.protocol import Order, OrderKind
@@ -61,7 +67,7 @@ class JobRestart:
     needs_committed_survivors = False
 
     def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
-        return within_budget(context)
+        return rescheduling_off(context) or within_budget(context)
 
     def start(self, job: JobMachine, attempt: Attempt, now: float) -> None:
         begin_job_restart(job, attempt.fault.describe(), now)

@@ -17,7 +17,13 @@ from undying import events as ev
 from undying.controller.deadlines import Deadlines
 from undying.controller.recovery import ActiveRecovery
 from undying.controller.state import JobState
-from undying.controller.strategies.base import Attempt, RecoveryContext, strategy_enabled, within_budget
+from undying.controller.strategies.base import (
+    Attempt,
+    RecoveryContext,
+    rescheduling_off,
+    strategy_enabled,
+    within_budget,
+)
 from undying.controller.strategies.resize import shrink
 from undying.events import Event
 from undying.faults import PROCESS_FAULTS, Fault, FaultReason
@@ -231,6 +237,8 @@ class Recover(ProcessRecovery):
             return "not a lost node"
         if context.spec.pod_rescheduling != "on":
             return "pod_rescheduling is off"
+        if (off := rescheduling_off(context)) is not None:
+            return off
         if context.survivors() < 1:
             return "no healthy replica holds the state"
         return within_budget(context)

@@ -1,0 +1,108 @@
+"""Step time of three gradient syncs on the example GPT: undying's averaged during backward (buckets
+started as their gradients are ready), undying's averaged at ``opt.step()`` (what it did before),
+and stock DDP. Each undying step also pays its commit vote (one float32 all-reduce).
+
+Spawns WORLD gloo processes on loopback; each builds the three models (same weights) and times
+STEPS steps of each, the three interleaved step by step so that machine noise falls on all of them
+alike. Reports the median step time of each on rank 0.
+
+    python bench/gradient_sync.py --world 4 --steps 40 --n-layer 4 --n-embd 128 --bucket-mb 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, str(REPO / "examples" / "gpt"))
+    from model import GPT, GPTConfig
+
+    from undying.runtime.ddp import FixedLayoutDDP, commit_vote
+    from undying.runtime.pg import GenerationGroup
+
+    torch.set_num_threads(1)
+    world = args.world
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore("ddp", store), rank=rank, world_size=world)
+    group = GenerationGroup(store, "undying", 1, rank, world, "gloo", 60.0, torch.device("cpu"))
+    config = GPTConfig(vocab_size=65, block_size=args.block_size, n_layer=args.n_layer, n_head=4,
+                       n_embd=args.n_embd)
+    cap = int(args.bucket_mb * 1024 * 1024)
+
+    def gpt() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GPT(config)
+
+    models = {
+        "undying_in_backward": FixedLayoutDDP(gpt(), lambda: group, torch.device("cpu"), bucket_cap_bytes=cap),
+        "undying_at_step": FixedLayoutDDP(gpt(), lambda: group, torch.device("cpu"), bucket_cap_bytes=cap,
+                                          ready_to_sync=lambda: False),
+        "ddp": DistributedDataParallel(gpt(), bucket_cap_mb=args.bucket_mb),
+    }
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3) for name, model in models.items()}
+    generator = torch.Generator().manual_seed(rank)
+    timings: dict[str, list[float]] = {name: [] for name in models}
+    for step in range(args.steps + args.warmup):
+        x = torch.randint(0, 65, (args.batch_size, args.block_size), generator=generator)
+        y = torch.randint(0, 65, (args.batch_size, args.block_size), generator=generator)
+        for name, model in models.items():
+            dist.barrier()
+            started = time.perf_counter()
+            if isinstance(model, FixedLayoutDDP):
+                model.begin_step()
+            _, loss = model(x, y)
+            loss.backward()
+            if isinstance(model, FixedLayoutDDP):
+                model.sync_gradients()
+                assert commit_vote(group, True, torch.device("cpu"))
+            optimizers[name].step()
+            optimizers[name].zero_grad(set_to_none=True)
+            if step >= args.warmup:
+                timings[name].append(time.perf_counter() - started)
+    queue.put((rank, {name: statistics.median(values) for name, values in timings.items()}))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="bucket cap of both undying and DDP")
+    args = parser.parse_args()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    processes = [context.Process(target=worker, args=(rank, args, port, queue)) for rank in range(args.world)]
+    for process in processes:
+        process.start()
+    results = dict(queue.get(timeout=1200) for _ in processes)
+    for process in processes:
+        process.join()
+    print(json.dumps({**vars(args), **{f"median_step_ms_{name}": round(seconds * 1e3, 2)
+                                        for name, seconds in results[0].items()}}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

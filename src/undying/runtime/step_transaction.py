@@ -1,0 +1,122 @@
+"""One training step as a transaction: every rank applies it, or none does.
+
+Runs in the worker. The runtime (runtime/core.py) begins one per step; the wrapped optimizer's
+``step()`` asks ``commit`` whether to apply the update: the gradients are averaged (during
+backward as a rule, runtime/ddp.py), every rank votes, and a rank whose generation the controller
+has meanwhile aborted applies nothing. An exception inside ``with step:`` votes no when ``retry``
+is on. What failed is kept in ``failure``; the runtime then recovers and re-runs the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from undying.config import JobSpec
+from undying.protocol import Phase
+from undying.runtime.ddp import commit_vote
+from undying.runtime.injection_points import InjectionPoints
+from undying.runtime.membership import Membership
+from undying.runtime.pg import CollectiveError
+from undying.runtime.reporter import Reporter
+from undying.runtime.rng_mirror import RngMirror
+from undying.runtime.training_state import TrainingState
+from undying.strategy_names import StrategyName
+
+
+class StepTransaction:
+    """The state of the step in flight: ``failure`` (why it cannot commit, or None), whether this
+    rank has voted and whether it applied the update."""
+
+    def __init__(self, spec: JobSpec, state: TrainingState, membership: Membership, reporter: Reporter,
+                 rng_mirror: RngMirror, injections: InjectionPoints, device: torch.device) -> None:
+        self.spec = spec
+        self.state = state
+        self.membership = membership
+        self.reporter = reporter
+        self.rng_mirror = rng_mirror
+        self.injections = injections
+        self.device = device
+        self.failure: str | None = None
+        self.voted = False
+        self.updated = False
+
+    def begin(self, step: int) -> None:
+        self.failure = None
+        self.voted = False
+        self.updated = False
+        for loader in self.state.loaders:
+            loader.begin_step()
+        for model in self.state.models:
+            model.begin_step()
+        self.set_phase(Phase.COMPUTING)
+        self.injections.at_step_start(step)
+
+    def end(self) -> str | None:
+        """Why the step that just ended cannot stand (None: it committed)."""
+        if self.failure is None and not self.updated and self.membership.aborted():
+            self.failure = "the controller aborted this generation"
+        return self.failure
+
+    def set_phase(self, phase: str) -> None:
+        self.reporter.update(phase=phase)
+
+    def batches_taken(self) -> bool:
+        """Has this step taken all its micro-batches? Then its next backward averages the gradients."""
+        return not any(loader.step_incomplete() for loader in self.state.loaders)
+
+    def fire_raise_injections(self) -> None:
+        """Called by opt.step(): a ``raise`` injection fires inside the step body even unguarded."""
+        self.injections.in_step_body(self.state.committed_step)
+
+    def commit(self, vote_ok: bool = True) -> bool:
+        """The commit decision: True iff every rank's step succeeded and the gradients are averaged."""
+        if self.voted:
+            return self.failure is None
+        incomplete = [loader for loader in self.state.loaders if loader.step_incomplete()]
+        if incomplete and vote_ok:
+            loader = incomplete[0]
+            raise RuntimeError(
+                f"loader: this step took fewer than its {loader.micro_batches} micro-batches; with "
+                f"elastic_batch=accumulate a shrunk replica covers several batch slots, so iterate "
+                f"`for batch in loader.step_batches():` (or set elastic_batch: grow)")
+        self.voted = True
+        self.set_phase(Phase.SYNCING)
+        if vote_ok:
+            # The RNG state a replay of the next step starts from, mirrored before the step commits.
+            self.rng_mirror.write_rng(self.state.committed_step + 1)
+        try:
+            # Averaged during backward as a rule; here only what a backward did not (no backward,
+            # a rank voting no): every rank issues the same collectives in the same order.
+            for model in self.state.models:
+                model.sync_gradients()
+            self.set_phase(Phase.SYNCING)
+            all_ok = commit_vote(self.membership.current_group(), vote_ok, self.device)
+        except CollectiveError as error:
+            self.fail(f"gradient all-reduce failed: {error}")
+            return False
+        if not all_ok:
+            self.fail("a rank voted against this step")
+            return False
+        if self.spec.watchdog == "on":
+            self.reporter.confirm_generation(lease=self.spec.heartbeat_timeout / 2)
+        if self.membership.aborted():
+            self.fail("the controller aborted this generation before the step was applied")
+            return False
+        self.updated = True
+        return True
+
+    def step_raised(self, error: BaseException | None) -> bool:
+        """The ``with step:`` guard saw the body end; True suppresses its exception (the step retries)."""
+        if error is None or not isinstance(error, Exception):
+            return False
+        if self.updated or StrategyName.RETRY not in self.spec.recover_strategy:
+            return False
+        self.fail(f"exception in step: {error!r}")
+        if not self.voted:
+            # Vote no in the all-reduce the other ranks are waiting in, so nobody applies this step.
+            self.commit(vote_ok=False)
+        return True
+
+    def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason

@@ -1,0 +1,204 @@
+"""DDP's gradient semantics on real gloo groups: ``backward()`` returns with the gradients averaged
+over the ranks (so clipping sees the global batch's), overlapped with the backward pass in a fixed
+bucket layout; ``no_sync()`` accumulates; every rank issues the same collectives whatever failed.
+
+Ranks are threads of this process, each with its own ``GenerationGroup`` (gloo over a HashStore).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from undying.runtime.ddp import FixedLayoutDDP, bucket_layout, commit_vote
+from undying.runtime.pg import GenerationGroup
+
+RANKS = 2
+JOIN_S = 60
+
+
+def deep_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 1))
+
+
+def rank_batch(rank: int, micro: int = 0) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * rank + micro))
+
+
+def local_gradients(model: torch.nn.Module, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What one rank's backward passes accumulate, without any averaging."""
+    model.zero_grad(set_to_none=True)
+    for batch in batches:
+        model(batch).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def on_ranks(body: Callable[[int, GenerationGroup], Any]) -> dict[int, Any]:
+    """Run ``body(rank, group)`` on RANKS threads with a real gloo group; re-raise any failure."""
+    store = torch.distributed.HashStore()
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def rank_thread(rank: int) -> None:
+        try:
+            group = GenerationGroup(store, "test", 1, rank, RANKS, "gloo", 20.0, torch.device("cpu"))
+            results[rank] = body(rank, group)
+        except BaseException as error:  # noqa: BLE001 - re-raised by the test thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank_thread, args=(rank,)) for rank in range(RANKS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_S)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def expected_mean(batches_of: Callable[[int], list[torch.Tensor]]) -> list[torch.Tensor]:
+    per_rank = [local_gradients(deep_model(), batches_of(rank)) for rank in range(RANKS)]
+    return [sum(grads) / RANKS for grads in zip(*per_rank, strict=True)]  # type: ignore[misc]
+
+
+def test_backward_returns_averaged_gradients_overlapped_with_the_backward_pass() -> None:
+    """Buckets of one parameter each: the first all-reduce starts while earlier layers' gradients
+    do not exist yet, and the average equals the plain mean bitwise (two ranks: a + b is exact)."""
+    models = [deep_model() for _ in range(RANKS)]  # seeded here: not from two threads at once
+
+    def body(rank: int, group: GenerationGroup) -> tuple[list[torch.Tensor], list[bool]]:
+        model = models[rank]
+        ddp = FixedLayoutDDP(model, lambda: group, torch.device("cpu"), broadcast=False, bucket_cap_bytes=1)
+        missing_at_start: list[bool] = []
+        start = group.start_allreduce
+
+        def recording_start(tensor: torch.Tensor) -> Any:
+            missing_at_start.append(any(p.grad is None for p in model.parameters()))
+            return start(tensor)
+
+        group.start_allreduce = recording_start  # type: ignore[method-assign]
+        ddp.begin_step()
+        ddp(rank_batch(rank)).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()], missing_at_start
+
+    results = on_ranks(body)
+    expected = expected_mean(lambda rank: [rank_batch(rank)])
+    for rank in range(RANKS):
+        grads, missing_at_start = results[rank]
+        assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True)), f"rank {rank}"
+        assert len(missing_at_start) == len(list(models[rank].parameters()))  # one bucket each
+        assert missing_at_start[0], "the first bucket's all-reduce must start during the backward pass"
+
+
+def test_no_sync_accumulates_and_the_last_backward_averages() -> None:
+    models = [deep_model() for _ in range(RANKS)]
+
+    def body(rank: int, group: GenerationGroup) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ddp = FixedLayoutDDP(models[rank], lambda: group, torch.device("cpu"), broadcast=False)
+        ddp.begin_step()
+        with ddp.no_sync():
+            ddp(rank_batch(rank, 0)).square().mean().backward()
+        after_first = [p.grad.clone() for p in models[rank].parameters()]
+        ddp(rank_batch(rank, 1)).square().mean().backward()
+        return after_first, [p.grad.clone() for p in models[rank].parameters()]
+
+    results = on_ranks(body)
+    expected = expected_mean(lambda rank: [rank_batch(rank, 0), rank_batch(rank, 1)])
+    for rank in range(RANKS):
+        after_first, final = results[rank]
+        local = local_gradients(deep_model(), [rank_batch(rank, 0)])
+        assert all(torch.equal(g, e) for g, e in zip(after_first, local, strict=True)), "no_sync averaged"
+        assert all(torch.allclose(g, e, rtol=1e-6, atol=1e-7) for g, e in zip(final, expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+
+
+def test_a_backward_before_the_last_micro_batch_does_not_average() -> None:
+    """``ready_to_sync`` false (the step's loader has micro-batches left): gradients stay local until
+    ``sync_gradients``, which averages them the same way."""
+    models = [deep_model() for _ in range(RANKS)]
+
+    def body(rank: int, group: GenerationGroup) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ddp = FixedLayoutDDP(models[rank], lambda: group, torch.device("cpu"), broadcast=False,
+                             ready_to_sync=lambda: False)
+        ddp.begin_step()
+        ddp(rank_batch(rank)).square().mean().backward()
+        local = [p.grad.clone() for p in models[rank].parameters()]
+        ddp.sync_gradients()
+        return local, [p.grad.clone() for p in models[rank].parameters()]
+
+    results = on_ranks(body)
+    expected = expected_mean(lambda rank: [rank_batch(rank)])
+    for rank in range(RANKS):
+        local, final = results[rank]
+        assert all(torch.equal(g, e) for g, e in zip(local, local_gradients(deep_model(), [rank_batch(rank)]),
+                                                     strict=True))
+        assert all(torch.equal(g, e) for g, e in zip(final, expected, strict=True))
+
+
+def test_a_second_averaged_backward_in_one_step_is_refused() -> None:
+    models = [deep_model() for _ in range(RANKS)]
+
+    def body(rank: int, group: GenerationGroup) -> str:
+        ddp = FixedLayoutDDP(models[rank], lambda: group, torch.device("cpu"), broadcast=False)
+        ddp.begin_step()
+        ddp(rank_batch(rank)).square().mean().backward()
+        with pytest.raises(RuntimeError, match="no_sync") as raised:
+            ddp(rank_batch(rank, 1)).square().mean().backward()
+        return str(raised.value)
+
+    assert all("second backward" in message for message in on_ranks(body).values())
+
+
+def test_a_rank_that_failed_before_its_backward_still_matches_its_peers_collectives() -> None:
+    """Rank 0 averages in backward and votes yes; rank 1 raised before its backward: it completes
+    the average with zeros and votes no. Nobody hangs and both see the step refused."""
+    models = [deep_model() for _ in range(RANKS)]
+
+    def body(rank: int, group: GenerationGroup) -> bool:
+        ddp = FixedLayoutDDP(models[rank], lambda: group, torch.device("cpu"), broadcast=False)
+        ddp.begin_step()
+        if rank == 0:
+            ddp(rank_batch(rank)).square().mean().backward()
+        ddp.sync_gradients()
+        return commit_vote(group, rank == 0, torch.device("cpu"))
+
+    assert on_ranks(body) == {0: False, 1: False}
+
+
+def test_the_layout_depends_only_on_the_parameter_list() -> None:
+    params = list(deep_model().parameters())
+    layout = bucket_layout(params, cap_bytes=8 * 8 * 4)
+    assert [[id(p) for p in bucket] for bucket in layout] == \
+        [[id(p) for p in bucket] for bucket in bucket_layout(params, cap_bytes=8 * 8 * 4)]
+    assert [p for bucket in layout for p in bucket] == list(reversed(params))
+    assert all(sum(p.numel() * 4 for p in bucket) <= 8 * 8 * 4 or len(bucket) == 1 for bucket in layout)
+
+
+def test_a_compiled_model_trains_compiled_and_keeps_plain_state_keys() -> None:
+    """torch.compile'd: forward goes through the compiled module, gradients are still averaged in
+    backward, and the state (checkpoints, repair) has the plain module's keys."""
+    plain = deep_model()
+    compiled = torch.compile(plain, backend="aot_eager")
+    group = GenerationGroup(torch.distributed.HashStore(), "compiled", 1, 0, 1, "gloo", 20.0, torch.device("cpu"))
+    ddp = FixedLayoutDDP(compiled, lambda: group, torch.device("cpu"), broadcast=False)
+    assert ddp.module is plain
+    assert list(ddp.module.state_dict()) == list(deep_model().state_dict())
+    ddp.begin_step()
+    ddp(rank_batch(0)).square().mean().backward()
+    expected = local_gradients(deep_model(), [rank_batch(0)])
+    assert all(torch.allclose(p.grad, e) for p, e in zip(plain.parameters(), expected, strict=True))
+    assert ddp._averaged, "the backward of the compiled model must have run the average"
+
+
+def test_a_model_wrapped_twice_is_refused() -> None:
+    group = GenerationGroup(torch.distributed.HashStore(), "twice", 1, 0, 1, "gloo", 20.0, torch.device("cpu"))
+    ddp = FixedLayoutDDP(deep_model(), lambda: group, torch.device("cpu"), broadcast=False)
+    with pytest.raises(ValueError, match="already wrapped by FixedLayoutDDP"):
+        FixedLayoutDDP(ddp, lambda: group, torch.device("cpu"), broadcast=False)
