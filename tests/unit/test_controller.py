@@ -7,7 +7,6 @@ The test plays every agent (``hello``/``poll``) and worker (``heartbeat``/``reco
 from __future__ import annotations
 
 import json
-
 from collections.abc import Callable
 from typing import Any
 
