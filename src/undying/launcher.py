@@ -145,16 +145,22 @@ def launch(options: LaunchOptions) -> int:
     if not options.quiet:
         events.add_listener(print_event)
     bind_port = 0
+    advertised_host = None  # the name other nodes reach this one by (--controller HOST:PORT)
     if options.controller_address:
         from undying.client import parse_address
-        _, bind_port = parse_address(options.controller_address)
+        advertised_host, bind_port = parse_address(options.controller_address)
+    wildcard = options.controller_bind in ("0.0.0.0", "::")
+    connect_host = "127.0.0.1" if wildcard else options.controller_bind
+    # Recovery plans name the store to every worker, on every node: an address of this machine
+    # that the others can reach, not loopback (unless every node is simulated here).
+    store_host = advertised_host if wildcard and advertised_host and options.node_rank is not None else connect_host
     store = JobStore(options.controller_bind, timeout=spec.start_timeout)
     agents_holder: list[LocalAgents] = []
     controller = Controller(spec, events, job_id, store.port, options.injections_text,
-                            on_node_lost=lambda node: agents_holder[0].kill_node(node) if agents_holder else None)
+                            on_node_lost=lambda node: agents_holder[0].kill_node(node) if agents_holder else None,
+                            store_host=store_host)
     server = ControllerServer(controller, token, options.controller_bind, bind_port)
     server.start()
-    connect_host = "127.0.0.1" if options.controller_bind in ("0.0.0.0", "::") else options.controller_bind
     agents = LocalAgents(options, format_address(connect_host, server.port), token)
     agents.controller = controller
     agents.job_id = job_id
