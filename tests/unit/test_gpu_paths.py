@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from typing import Any
 
@@ -233,7 +234,7 @@ def test_gloo_wait_trusts_the_future_and_never_aborts(monkeypatch: pytest.Monkey
     assert backend.aborts == 0
 
 
-def test_nccl_groups_are_built_with_async_error_handling_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nccl_groups_are_built_eagerly_with_async_error_handling_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """Torch's default (3) would let NCCL's watchdog SIGABRT the worker on a timed-out collective."""
     seen_at_construction: list[str | None] = []
     monkeypatch.setenv(pg.NCCL_ASYNC_ERROR_HANDLING_ENV, "3")
@@ -241,11 +242,47 @@ def test_nccl_groups_are_built_with_async_error_handling_off(monkeypatch: pytest
     class Options:
         _timeout: Any = None
 
+    connected: list[torch.device] = []
+
     class RecordingNccl:
         def __init__(self, *_args: Any) -> None:
             seen_at_construction.append(os.environ.get(pg.NCCL_ASYNC_ERROR_HANDLING_ENV))
+
+        def eager_connect_single_device(self, device: torch.device) -> None:
+            connected.append(device)
 
     RecordingNccl.Options = Options  # type: ignore[attr-defined]
     monkeypatch.setattr(dist, "ProcessGroupNCCL", RecordingNccl, raising=False)
     GenerationGroup(dist.HashStore(), "test", 1, 0, 1, "nccl", 5.0, torch.device("cpu"))
     assert seen_at_construction == ["0"]
+    # The communicator is made eagerly, in the build (bounded by the join timeout and the abort).
+    assert connected == [torch.device("cpu")]
+
+
+class LateGroup:
+    """A backend group whose construction (NCCL: the eager communicator) ends after the waiter gave up."""
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+def test_a_group_built_after_the_build_was_given_up_is_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An aborted generation's build returns at once; the group its builder thread finishes later
+    is aborted there, so no communicator of the failed generation lives on."""
+    late = LateGroup()
+    release = threading.Event()
+
+    def slow_build(self: GenerationGroup, backend: str, timeout: Any) -> LateGroup:
+        release.wait(10)
+        return late
+
+    monkeypatch.setattr(GenerationGroup, "_build", slow_build)
+    started = time.monotonic()
+    with pytest.raises(CollectiveError, match="aborted this generation"):
+        GenerationGroup(dist.HashStore(), "late", 1, 0, 2, "nccl", 5.0, torch.device("cpu"), should_abort=lambda: True)
+    assert time.monotonic() - started < 2.0
+    release.set()
+    assert late.aborted.wait(5), "the late group was not aborted"

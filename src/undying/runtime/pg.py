@@ -84,10 +84,17 @@ class GenerationGroup:
         built: list[dist.ProcessGroup] = []
         failure: list[BaseException] = []
         finished = threading.Event()
+        given_up = threading.Event()
 
         def build() -> None:
             try:
-                built.append(self._build(backend, timeout))
+                group = self._build(backend, timeout)
+                if given_up.is_set():
+                    # Built after the waiting thread gave up on it: its NCCL communicators, made by
+                    # now, must not outlive the failed generation.
+                    _abort_quietly(group)
+                else:
+                    built.append(group)
             except Exception as error:  # noqa: BLE001 - handed to the waiting thread
                 failure.append(error)
             finally:
@@ -96,12 +103,14 @@ class GenerationGroup:
         threading.Thread(target=build, name="undying-build-group", daemon=True).start()
         deadline = time.monotonic() + join_timeout
         while not finished.wait(ABORT_POLL_S):
+            cause: BaseException | None = None
             if self.should_abort():
-                raise CollectiveError("build", self.rank, self.generation,
-                                      RuntimeError("the controller aborted this generation")) from None
-            if time.monotonic() > deadline:
-                raise CollectiveError("build", self.rank, self.generation,
-                                      TimeoutError(f"not every rank joined within {join_timeout:g} s")) from None
+                cause = RuntimeError("the controller aborted this generation")
+            elif time.monotonic() > deadline:
+                cause = TimeoutError(f"not every rank joined within {join_timeout:g} s")
+            if cause is not None:
+                given_up.set()
+                raise CollectiveError("build", self.rank, self.generation, cause) from None
         if failure:
             raise CollectiveError("build", self.rank, self.generation, failure[0]) from None
         return built[0]
@@ -117,7 +126,16 @@ class GenerationGroup:
             os.environ[NCCL_ASYNC_ERROR_HANDLING_ENV] = "0"
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            return cast(dist.ProcessGroup, dist.ProcessGroupNCCL(self.store, self.rank, self.world_size, options))
+            group = dist.ProcessGroupNCCL(self.store, self.rank, self.world_size, options)
+            # Make the communicator now, on this builder thread, under the join timeout and the abort
+            # flag: lazily, ncclCommInitRank would run inside the first collective on the training
+            # thread, where a rank that died meanwhile would leave the others stuck.
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # this thread's current device: the communicator's
+            connect = getattr(group, "eager_connect_single_device", None)
+            if connect is not None:
+                connect(self.device)
+            return cast(dist.ProcessGroup, group)
         raise ValueError(f"backend {backend!r}: allowed gloo, nccl")
 
     def _wait(self, op: str, work: dist.Work) -> None:
@@ -264,6 +282,14 @@ class GenerationGroup:
         """Have ``abort_backend`` also call ``abort`` (a second group of this generation's members)."""
         self._abort_also.append(abort)
 
+    def shutdown(self) -> None:
+        """End of training, every rank done with the group: release its communicators the ordinary
+        way (NCCL warns, and may hang at exit, about a group never shut down; gloo needs nothing)."""
+        if self.backend == "nccl" and self.group is not None and not self._aborted:
+            shutdown = getattr(self.group, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
     def abandon(self) -> None:
         """Drop this generation's group without blocking: its destructor may wait for its own timeout,
         so the last references go away in a reaper thread. Closing its sockets also makes every
@@ -334,3 +360,13 @@ def flat_views(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torc
         views.append(flat[offset:offset + tensor.numel()].view_as(tensor))
         offset += tensor.numel()
     return views
+
+
+def _abort_quietly(group: object) -> None:
+    abort = getattr(group, "abort", None)
+    if abort is None:
+        return
+    try:
+        abort()
+    except Exception:  # noqa: BLE001, S110 - a group nobody will use
+        pass
