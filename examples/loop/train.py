@@ -4,7 +4,7 @@ Runs in every worker process (one per rank), e.g. ``undying run examples/loop/tr
 Synthetic data from a seeded generator; AdamW; warmup + cosine LambdaLR built on the wrapped
 optimizer (found by ``ft.steps()``, no ``register`` needed); ``clip_grad_norm_``; two accumulated
 micro-batches per step (``no_sync`` on the first, as under DDP); bf16 autocast; dropout; a registered
-counter. Apart from the ``ft.*`` calls it is an ordinary PyTorch training loop; train_ddp.py beside
+counter; the loss all-reduced with ``torch.distributed``; ``--num-workers`` DataLoader processes. Apart from the ``ft.*`` calls it is an ordinary PyTorch training loop; train_ddp.py beside
 it is the same loop under torchrun + DDP.
 """
 
@@ -17,6 +17,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--final-state", default=None, help="rank 0 saves the final parameters here (tests)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (see compile_cache)")
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
     args = parser.parse_args()
 
     # One thread by default: bitwise-repeatable CPU kernels, and 4 ranks fit on 2 cores.
@@ -94,7 +96,8 @@ def main() -> None:
     model = ft.wrap_model(torch.compile(mlp) if args.compile else mlp)
     opt = ft.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1))
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
-    loader = ft.dataloader(dataset, batch_size=args.batch_size, seed=args.seed)
+    loader = ft.dataloader(dataset, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
+                           persistent_workers=args.num_workers > 0)
     seen = SamplesSeen()
     ft.register("samples_seen", seen)
     micro_batches = 2
@@ -120,7 +123,10 @@ def main() -> None:
             opt.step()
             scheduler.step()
             opt.zero_grad(set_to_none=True)
-            last_loss = sum(losses) / len(losses)
+            # The loss over every rank's batch, through torch.distributed as any loop would.
+            global_loss = torch.tensor(sum(losses) / len(losses), device=ft.device)
+            dist.all_reduce(global_loss)
+            last_loss = global_loss.item() / dist.get_world_size()
         ft.log(loss=last_loss)
         if ft.is_main and step % args.log_every == 0:
             print(f"step {step:5d} | loss {last_loss:.4f} | lr {scheduler.get_last_lr()[0]:.2e}", flush=True)

@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clip-before-average", action="store_true")
+    parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--final-state", required=True, help="rank 0 saves the final parameters here")
     args = parser.parse_args()
 
@@ -46,10 +47,13 @@ def main() -> None:
     model = DistributedDataParallel(MLP(32, 128, 8, args.dropout))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
-    loader = ResumableLoader(dataset, args.batch_size, args.seed, rank, world_size)
+    loader = ResumableLoader(dataset, args.batch_size, args.seed, rank, world_size, num_workers=args.num_workers,
+                             persistent_workers=args.num_workers > 0)
     micro_batches = 2
 
+    losses: list[float] = []
     for _ in range(args.steps):
+        losses.clear()
         x, y = next(loader)
         chunks = list(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True))
         for index, (x_micro, y_micro) in enumerate(chunks):
@@ -59,6 +63,7 @@ def main() -> None:
                     logits = model(x_micro)
                 loss = F.cross_entropy(logits.float(), y_micro)
                 (loss / micro_batches).backward()
+            losses.append(loss.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         if args.clip_before_average:
             for param in model.parameters():
@@ -68,10 +73,13 @@ def main() -> None:
         opt.step()
         scheduler.step()
         opt.zero_grad(set_to_none=True)
+        global_loss = torch.tensor(sum(losses) / len(losses))
+        dist.all_reduce(global_loss)
+        last_loss = global_loss.item() / world_size
 
     if rank == 0:
         torch.save(model.module.state_dict(), args.final_state)
-        print(json.dumps({"param_sha256": undying.param_sha256(model.module)}), flush=True)
+        print(json.dumps({"param_sha256": undying.param_sha256(model.module), "final_loss": last_loss}), flush=True)
     dist.destroy_process_group()
 
 
