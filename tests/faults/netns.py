@@ -22,9 +22,10 @@ PREFIX = "undying-net"
 SUBNET = "10.213.0"  # hosts are SUBNET.1, SUBNET.2, ... /24; only ever inside our own namespaces
 HOST_INTERFACE = "eth0"  # each host's end of its link (a name is private to its namespace)
 BRIDGE = "br0"
-# gloo picks its address from the hostname, which every namespace shares (and which may resolve
-# to loopback): a worker on a real host with several interfaces is pointed at one the same way.
-WORKER_ENV = {"GLOO_SOCKET_IFNAME": HOST_INTERFACE}
+# Extra variables for every worker on a host. None are needed: a worker finds the interface that
+# reaches the job's store itself (runtime/gloo_interface.py), though the hostname, which every
+# namespace shares, resolves to loopback here.
+WORKER_ENV: dict[str, str] = {}
 
 
 class NetnsUnavailable(RuntimeError):
