@@ -63,6 +63,9 @@ CONTROLLER_LEADER = "controller_leader"  # a candidate won the etcd election (ad
 CONTROLLER_TAKEOVER = "controller_takeover"  # the new leader carries on from the saved state (previous state)
 CONTROLLER_DEPOSED = "controller_deposed"  # a leader lost its etcd lease and stopped deciding
 STORE_MOVED = "store_moved"  # a worker switched to the new controller's store (a plan named it)
+# A restore from a checkpoint written under other numerics (device model, versions, deterministic mode):
+# recorded and current records, the keys that differ, the ranks whose record differs. Training goes on.
+NUMERICS_CHANGED = "numerics_changed"
 
 
 @dataclass

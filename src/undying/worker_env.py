@@ -29,6 +29,22 @@ ENV_JOINING = "UNDYING_JOINING"  # "1": this worker replaces a lost rank in a li
 # Set when a job restarts at the size an elastic shrink left it (fewer ranks than WORLD_SIZE).
 ENV_MEMBERS = "UNDYING_MEMBERS"
 
+# ``deterministic: true``: what the agent adds to each worker's environment, read by cuBLAS and NCCL
+# when the worker first uses them. A fixed workspace makes cuBLAS's split reductions repeatable; NCCL's
+# Ring algorithm with the Simple protocol on one channel count sums every element in the same order on
+# every run (its tuner would otherwise pick Tree, LL/LL128 or NVLink SHARP by size and topology). 16
+# channels is a middle value (fewer cost bandwidth); a user sets both NCCL_*_NCHANNELS to choose another.
+DETERMINISTIC_NCCL_CHANNELS = "16"
+DETERMINISTIC_ENV: dict[str, str] = {
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "NCCL_ALGO": "Ring",
+    "NCCL_PROTO": "Simple",
+    "NCCL_NVLS_ENABLE": "0",
+    "NCCL_MIN_NCHANNELS": DETERMINISTIC_NCCL_CHANNELS,
+    "NCCL_MAX_NCHANNELS": DETERMINISTIC_NCCL_CHANNELS,
+}
+_CHANNEL_BOUNDS = ("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")
+
 STANDALONE_RUN_DIR = "runs/standalone"
 STANDALONE_STORE_PREFIX = "undying/standalone"
 
@@ -71,9 +87,12 @@ class WorkerEnv:
             raise ValueError(f"{ENV_CONTROLLER} is set but MASTER_ADDR is not: no store to join")
         return self.master_addr, self.master_port
 
-    def to_environ(self) -> dict[str, str]:
-        """The variables to add to the worker's inherited environment."""
-        return {**self._contract(), **compile_cache_environ(self.spec.compile_cache)}
+    def to_environ(self, inherited: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The variables to add to the worker's inherited environment (``os.environ`` by default):
+        with ``deterministic``, those of ``DETERMINISTIC_ENV`` it does not set already."""
+        inherited = os.environ if inherited is None else inherited
+        return {**self._contract(), **compile_cache_environ(self.spec.compile_cache),
+                **deterministic_environ(self.spec.deterministic, inherited)}
 
     def _contract(self) -> dict[str, str]:
         return {
@@ -135,3 +154,16 @@ def compile_cache_environ(compile_cache: str | None) -> dict[str, str]:
     if not compile_cache:
         return {}
     return {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(compile_cache)}
+
+
+def deterministic_environ(deterministic: bool, inherited: Mapping[str, str]) -> dict[str, str]:
+    """``deterministic: true``: the variables of ``DETERMINISTIC_ENV`` that ``inherited`` lacks. A value
+    the user set wins (and is what the checkpoints record); a user who set one NCCL channel bound gets
+    the other at the same value, so the channel count stays fixed. Nothing without deterministic mode."""
+    if not deterministic:
+        return {}
+    added = {name: value for name, value in DETERMINISTIC_ENV.items() if name not in inherited}
+    user_bounds = [inherited[name] for name in _CHANNEL_BOUNDS if name in inherited]
+    if len(user_bounds) == 1:
+        added.update({name: user_bounds[0] for name in _CHANNEL_BOUNDS if name in added})
+    return added

@@ -87,10 +87,6 @@ def test_user_collectives_after_killed_worker_recover_in_place(dist_reference: J
     assert all(records[rank][step]["generation"] > 1 for rank in range(4) for step in range(FAULT_STEP, STEPS))
 
 
-@pytest.mark.xfail(strict=True, reason="a survivor's dropped default group is still referenced after a failed user "
-                                       "collective (13 references where a clean drop leaves 3, none from an object "
-                                       "the garbage collector tracks), so its gloo connections stay open and a peer "
-                                       "blocked on it fails only at comm_timeout")
 def test_survivors_leave_the_dead_generation_without_waiting_for_comm_timeout(killed_run: JobRun) -> None:
     """A survivor whose user collective failed drops the generation's default group, which closes its
     connections: a survivor still waiting for it in a collective fails at once, not by timeout."""

@@ -26,6 +26,9 @@ _COMMITTED_RE = re.compile(r"step_(\d{9,})")
 _GENERATION_DIR_RE = re.compile(r"step_(\d{9,})\.g(\d+)")
 PARTIAL_RE = re.compile(r"step_(\d{9,})\.g(\d+)\.partial")
 _CHECKSUM_RE = re.compile(r"crc32:[0-9a-f]{8}")
+# Key in ``meta`` of the numerics the committing rank ran under (runtime/devices.py ``numerics_record``):
+# versions, device model, backend, deterministic mode and its variables. A restore under others is an event.
+NUMERICS_KEY = "numerics"
 # The manifest's own checksum: CRC-32 over the canonical JSON of every other field.
 _MANIFEST_CHECKSUM_KEY = "manifest_checksum"
 

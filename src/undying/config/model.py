@@ -116,6 +116,10 @@ class JobSpec(BaseModel):
     elastic_batch: Literal["accumulate", "grow"] = "grow"
     # Every rank appends the sample indices of each committed step to RUN_DIR/samples/ (audits, tests).
     sample_log: bool = False
+    # Fixed reduction orders on GPU (torch deterministic algorithms, cuDNN without autotuning, a fixed
+    # cuBLAS workspace, NCCL Ring/Simple on a fixed channel count, no NVLS), at a cost in speed; a user
+    # op without a deterministic kernel then raises. Off: replays are bitwise equal on CPU/gloo only.
+    deterministic: bool = False
     nnodes: int = Field(1, ge=1)
     min_nodes: int | None = None
     nproc_per_node: int = Field(1, ge=1)

@@ -24,6 +24,7 @@ from undying.events import (
     INJECTION,
     JOB_END,
     JOB_START,
+    NUMERICS_CHANGED,
     RESTART_BEGIN,
     WORKER_DONE,
     WORKER_EXIT,
@@ -80,6 +81,7 @@ class RunSummary:
     duration_seconds: float | None = None
     world_changes: list[str] = field(default_factory=list)  # elastic shrinks and grows, in order
     takeovers: list[str] = field(default_factory=list)  # controller failovers, in order
+    numerics_changes: list[str] = field(default_factory=list)  # restores under other numerics, in order
 
 
 def summarize(events: list[Event]) -> RunSummary:
@@ -116,6 +118,7 @@ def summarize(events: list[Event]) -> RunSummary:
         duration_seconds=duration,
         world_changes=[world_change_label(e) for e in events if e.kind in (ELASTIC_SHRINK, ELASTIC_GROW)],
         takeovers=[takeover_label(e) for e in events if is_takeover(e)],
+        numerics_changes=[numerics_change_label(e) for e in events if e.kind == NUMERICS_CHANGED],
     )
 
 
@@ -126,6 +129,19 @@ def is_takeover(event: Event) -> bool:
 
 def takeover_label(event: Event) -> str:
     return f"controller failover: node {event.node} took over"
+
+
+def numerics_change_label(event: Event) -> str:
+    """``step 40 restored under other numerics (device: A -> B)``: each differing key, recorded -> current."""
+    recorded, current = event.details.get("recorded") or {}, event.details.get("current") or {}
+
+    def value(record: object, dotted: str) -> object:
+        for part in dotted.split("."):
+            record = record.get(part) if isinstance(record, dict) else None
+        return record
+
+    changes = [f"{key}: {value(recorded, key)} -> {value(current, key)}" for key in event.details.get("differs", [])]
+    return f"step {event.step} restored under other numerics ({'; '.join(changes)})"
 
 
 def world_change_label(event: Event) -> str:

@@ -37,6 +37,7 @@ def render_summary(summary: RunSummary) -> str:
     if summary.takeovers:
         takeovers = (label.removeprefix("controller ") for label in summary.takeovers)
         lines.append("controller: " + ", ".join(takeovers))
+    lines.extend(f"numerics: {change}" for change in summary.numerics_changes)
     return "\n".join(lines)
 
 

@@ -30,7 +30,7 @@ from undying.data import ResumableLoader
 from undying.inject import decode
 from undying.protocol import Phase
 from undying.runtime.ddp import FixedLayoutDDP
-from undying.runtime.devices import choose_backend, choose_device
+from undying.runtime.devices import choose_backend, choose_device, set_numerics_mode
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
 from undying.runtime.optim import CommitOptimizer, unwrapped_optimizers
@@ -90,6 +90,7 @@ class Runtime:
         self.run_dir: Path = env.run_dir
         self.backend = choose_backend(self.spec.backend, env.local_world_size)
         self.device = choose_device(self.backend, self.rank, self.local_rank, env.local_world_size)
+        set_numerics_mode(self.spec.deterministic)  # before any kernel or NCCL communicator
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.reporter = Reporter(env.controller, env.token, self.rank, self.node, env.generation,

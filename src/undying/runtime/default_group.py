@@ -35,10 +35,11 @@ class DefaultGroup:
     an error if a peer is gone); under NCCL its communicators are aborted when the controller aborts
     the generation (a watcher thread) or the training group aborts its own, so a kernel waiting on a
     dead peer returns. ``drop`` never blocks: the old group is taken out of torch's registry at once
-    and shut down in a reaper thread. Not guaranteed: groups the script made from it
+    and shut down in a reaper thread, where its last reference goes and its connections close, so
+    peers still waiting on this rank fail at once. Not guaranteed: groups the script made from it
     (``dist.new_group``) do not carry over (they are dropped with it); and a failed collective's
-    exception kept alive (its traceback holds the group) keeps the group's connections open, so
-    peers waiting on this rank fail by timeout rather than at once.
+    exception the script keeps alive (its traceback holds the group) keeps the group's connections
+    open, so peers waiting on this rank then fail by timeout.
     """
 
     def __init__(self, training: GenerationGroup, should_abort: Callable[[], bool]) -> None:
@@ -111,6 +112,11 @@ def _install(training: GenerationGroup) -> dist.ProcessGroup:
     training group, so only a member dying in between keeps the others waiting that long."""
     if dist.is_initialized():
         raise RuntimeError(ALREADY_INITIALIZED)
+    # Imported first, while no default group exists: importing torch._dynamo (which the first
+    # optimizer a script builds does lazily) keeps ten references to the default group of the
+    # moment (measured, torch 2.13), so a dropped one would never be destroyed and its connections,
+    # which peers of a failed generation are blocked on, would stay open until comm_timeout.
+    import torch._dynamo  # noqa: F401
     # init_process_group wraps sys.excepthook at every call: one recovery after another would stack
     # a rank prefix per generation on every traceback line.
     excepthook = sys.excepthook

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from undying import events as ev
 from undying.checkpoint import commit, save_object, staging_dir
 from undying.checkpoint.dcp_format import write_shared_shard
+from undying.checkpoint.manifest import NUMERICS_KEY
 from undying.config import JobSpec
 from undying.protocol import Phase, Plan, PlanAction
 from undying.runtime.injection_points import DUMP, RECOVERY, InjectionPoints
@@ -142,7 +143,8 @@ class RecoveryClient:
             records.append(save_object(staging, rank_state_file(rank),
                                        {"rng": self.rng_mirror.read(step, rank, plan.rng_stores), "statefuls": {}}))
         committed = commit(root, staging, step=step, generation=plan.generation, world_size=len(members),
-                           files=records, meta={"dump": True, "node": self.membership.node, "members": members},
+                           files=records, meta={"dump": True, "node": self.membership.node, "members": members,
+                                                NUMERICS_KEY: self.checkpoints.numerics},
                            keep=self.spec.checkpoint.keep)
         self.reporter.emit(ev.DUMP_COMMITTED, step=step, path=str(committed.path),
                            seconds=round(time.time() - started, 4), bytes=sum(r.size for r in records))

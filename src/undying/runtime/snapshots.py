@@ -31,10 +31,12 @@ from undying.checkpoint import (
 )
 from undying.checkpoint.copy import updated_only_by
 from undying.checkpoint.dcp_format import is_dcp_shard, optimizer_param_names, read_shared_shard
+from undying.checkpoint.manifest import NUMERICS_KEY
 from undying.checkpoint.persister import Persister, PersistResult
 from undying.checkpoint.snapshot import RankSnapshots, SnapshotUnavailable
 from undying.config import JobSpec
 from undying.runtime.bounded_store import BoundedStore, connect_bounded
+from undying.runtime.devices import numerics_differences, numerics_record
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
 from undying.runtime.reporter import Reporter
@@ -81,6 +83,9 @@ class CheckpointEngine:
       checkpoint (read by rank 0 only, sent to the others over the process group), else
       nothing (a fresh start). A T2 checkpoint that fails verification or does not parse is
       reported (``checkpoint_corrupt``) and the next older one is tried.
+    - Every T2 checkpoint's manifest records the numerics its committing rank ran under
+      (``meta.numerics``: runtime/devices.py ``numerics_record``); a restore from one by ranks
+      whose numerics differ goes on and is reported once (``numerics_changed``, by rank 0).
 
     Not guaranteed: T1 after the node's death or across a change of world size (both fall
     back to T2). The replica state of a T2 checkpoint loads at any size (the data position is
@@ -91,6 +96,8 @@ class CheckpointEngine:
     def __init__(self, spec: JobSpec, state: TrainingState, membership: Membership, reporter: Reporter,
                  injections: InjectionPoints, root: Location, job_id: str | None) -> None:
         self.spec = spec.checkpoint
+        self._deterministic = spec.deterministic
+        self._numerics: dict[str, Any] | None = None
         self._records_timeout = max(RECORDS_TIMEOUT_MIN_S, 2 * spec.comm_timeout)
         # The restore at start is a start-up rendezvous: ranks may still be importing torch, and rank 0
         # reads T2 before it publishes the plan; start_timeout is the allowance for both.
@@ -123,6 +130,14 @@ class CheckpointEngine:
                 self._fall_back_to_private_memory(error)
         assert self._snapshots is not None
         return self._snapshots
+
+    @property
+    def numerics(self) -> dict[str, Any]:
+        """This rank's numerics record (runtime/devices.py), taken at the first restore or save: by
+        then the script has set its threads and device."""
+        if self._numerics is None:
+            self._numerics = numerics_record(self._deterministic, self.membership.backend, self.membership.device)
+        return self._numerics
 
     # ------------------------------------------------------------- at each commit (training thread)
 
@@ -221,7 +236,8 @@ class CheckpointEngine:
                 param_names=self.param_names(),
                 rank_file=rank_state_file(membership.rank),
                 records_timeout=self._records_timeout,
-                current_generation=lambda: membership.generation, commit_meta={"node": membership.node})
+                current_generation=lambda: membership.generation,
+                commit_meta={"node": membership.node, NUMERICS_KEY: self.numerics})
         return self._persister
 
     def _persister_store(self) -> torch.distributed.Store | BoundedStore:
@@ -269,10 +285,13 @@ class CheckpointEngine:
         # A snapshot records the replicas it was taken with: after a restart at a shrunk size only
         # those taken at that size count (the full-size ones predate the shrink).
         held = [info.step for info in self.snapshots.committed() if info.world_size == membership.replicas]
-        gathered = group.gather_objects("restore/t1", json.dumps(held).encode(), self._restore_timeout)
+        report = {"held": held, "numerics": self.numerics}
+        gathered = group.gather_objects("restore/t1", json.dumps(report).encode(), self._restore_timeout)
         loaded: dict[str, Any] | None = None
+        reports: list[dict[str, Any]] = []  # rank 0: every rank's, in group order
         if gathered is not None:
-            plan, loaded = self._choose([set(json.loads(blob)) for blob in gathered])
+            reports = [json.loads(blob) for blob in gathered]
+            plan, loaded = self._choose([set(each["held"]) for each in reports])
             group.publish("restore_plan", json.dumps(plan).encode())
         plan = json.loads(group.read("restore_plan", self._restore_timeout))
         source, step = plan["source"], plan["step"]
@@ -288,6 +307,8 @@ class CheckpointEngine:
         elif source == SOURCE_STORAGE:
             training.load_replica_state(broadcast_state(group, loaded, 0, membership.device))
             checkpoint = next(c for c in list_committed(self.root) if c.step == step)
+            if reports:
+                self._report_numerics(checkpoint, [each["numerics"] for each in reports])
             if _written_by(checkpoint) == membership.members:
                 training.load_rank_state(load_object(checkpoint, rank_state_file(membership.rank)))
             self.snapshots.invalidate()
@@ -299,6 +320,21 @@ class CheckpointEngine:
         self.reporter.emit(ev.CHECKPOINT_LOAD, step=training.committed_step, source=source,
                            seconds=round(time.time() - started, 4), **details)
         return True
+
+    def _report_numerics(self, checkpoint: CommittedCheckpoint, records: list[dict[str, Any]]) -> None:
+        """Rank 0, restoring from storage: one ``numerics_changed`` when any rank's numerics differ
+        from those the checkpoint was written under; its ``current`` is the first such rank's record.
+        A checkpoint that recorded none (an older undying) is not compared."""
+        recorded = checkpoint.manifest.meta.get(NUMERICS_KEY)
+        if not isinstance(recorded, dict):
+            return
+        changed = {rank: record for rank, record in zip(self.membership.members, records, strict=False)
+                   if numerics_differences(recorded, record)}
+        if not changed:
+            return
+        differs = sorted({key for record in changed.values() for key in numerics_differences(recorded, record)})
+        self.reporter.emit(ev.NUMERICS_CHANGED, step=checkpoint.step, path=str(checkpoint.path), differs=differs,
+                           ranks=list(changed), recorded=recorded, current=next(iter(changed.values())))
 
     def _choose(self, held: list[set[int]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Rank 0: the plan every rank follows, and (for storage) the shared shard it already read."""
