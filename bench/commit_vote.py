@@ -17,12 +17,13 @@ import argparse
 import datetime
 import json
 import multiprocessing as mp
-import socket
 import statistics
 import time
 
+from spawn_ranks import spawn_ranks
 
-def worker(rank: int, world: int, port: int, numel: int, steps: int, queue: mp.Queue) -> None:
+
+def worker(rank: int, world: int, numel: int, steps: int, port: int, queue: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
@@ -67,18 +68,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=1_000_000)
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    processes = [context.Process(target=worker, args=(rank, args.world, port, args.numel, args.steps, queue))
-                 for rank in range(args.world)]
-    for process in processes:
-        process.start()
-    results = dict(queue.get(timeout=600) for _ in processes)
-    for process in processes:
-        process.join()
+    results = spawn_ranks(args.world, worker, args.world, args.numel, args.steps)
     rank0 = results[0]
     report = {
         "world": args.world, "numel": args.numel, "steps": args.steps,

@@ -15,16 +15,17 @@ import argparse
 import datetime
 import json
 import multiprocessing as mp
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from spawn_ranks import spawn_ranks
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> None:
+def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> None:  # spawn_ranks' target
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -89,17 +90,7 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="bucket cap of both undying and DDP")
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    processes = [context.Process(target=worker, args=(rank, args, port, queue)) for rank in range(args.world)]
-    for process in processes:
-        process.start()
-    results = dict(queue.get(timeout=1200) for _ in processes)
-    for process in processes:
-        process.join()
+    results = spawn_ranks(args.world, worker, args)
     print(json.dumps({**vars(args), **{f"median_step_ms_{name}": round(seconds * 1e3, 2)
                                         for name, seconds in results[0].items()}}, indent=2))
 

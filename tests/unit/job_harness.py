@@ -314,6 +314,24 @@ class ShellJob:
             time.sleep(0.01)
         return True
 
+    def start_two_nodes_and_kill_rank3(self) -> None:
+        """Nodes 0 and 1 (2 ranks each) say hello, start and beat at step 7; then node 1's agent
+        reports rank 3 killed: with a process-level strategy, generation 1 is aborted for 2."""
+        controller = self.controller
+        for node in (0, 1):
+            assert self.hello(node).accepted
+        self.start()
+        for node in (0, 1):
+            deadline = time.monotonic() + 5
+            while controller.poll(AgentPoll(node, 0, [], 0.2, pid=1000 + node, hostname=f"host{node}")).kind \
+                    != OrderKind.START and time.monotonic() < deadline:
+                pass
+        for rank in range(4):
+            controller.heartbeat(Heartbeat(rank, rank // 2, 1, 7, Phase.COMPUTING, 2000 + rank))
+        killed = WorkerStatus(3, 1, 2003, 1, WorkerState.EXITED, -9, "SIGKILL").to_dict()
+        controller.report(AgentPoll(1, 1, [killed], 0.0, pid=1001, hostname="host1"))
+        assert self.wait_for(lambda: controller.generation == 2)
+
     def close(self) -> None:
         if self._thread.is_alive():
             self.controller.cancel("test teardown")

@@ -10,36 +10,16 @@ from bytes its peers sent before they gave the step up, and it must not apply th
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 from tests.unit.job_harness import ShellJob
 from undying.controller.server import ControllerServer
-from undying.protocol import AgentPoll, Heartbeat, OrderKind, Phase, WorkerState, WorkerStatus
 from undying.runtime.reporter import Reporter
 
 TOKEN = "fence-token"
 SPEC = {"process_recover": True, "recover_strategy": ["recover-in-place"], "nnodes": 2, "nproc_per_node": 2,
         "heartbeat_timeout": 10.0}
 QUIET = 600.0  # a heartbeat interval the test never waits out: only the first beat and confirms go out
-
-
-def abort_generation_one(job: ShellJob) -> None:
-    """Start the job's two nodes, then report rank 3 killed: recover-in-place aborts generation 1."""
-    controller = job.controller
-    for node in (0, 1):
-        assert job.hello(node).accepted
-    job.start()
-    for node in (0, 1):
-        deadline = time.monotonic() + 5
-        while controller.poll(AgentPoll(node, 0, [], 0.2, pid=1000 + node, hostname=f"host{node}")).kind \
-                != OrderKind.START and time.monotonic() < deadline:
-            pass
-    for rank in range(4):
-        controller.heartbeat(Heartbeat(rank, rank // 2, 1, 7, Phase.COMPUTING, 2000 + rank))
-    killed = WorkerStatus(3, 1, 2003, 1, WorkerState.EXITED, -9, "SIGKILL").to_dict()
-    controller.report(AgentPoll(1, 1, [killed], 0.0, pid=1001, hostname="host1"))
-    assert job.wait_for(lambda: controller.generation == 2)
 
 
 def test_a_stale_lease_asks_the_controller_and_a_fresh_one_does_not(tmp_path: Path) -> None:
@@ -51,7 +31,7 @@ def test_a_stale_lease_asks_the_controller_and_a_fresh_one_does_not(tmp_path: Pa
     try:
         # The heartbeat thread's first beat is answered: the lease is fresh.
         assert job.wait_for(lambda: reporter._answered_sent_at is not None)
-        abort_generation_one(job)
+        job.start_two_nodes_and_kill_rank3()  # recover-in-place aborts generation 1
         assert reporter.abort_generation == 0  # the thread sleeps QUIET seconds: it has not heard yet
 
         reporter.confirm_generation(lease=QUIET)  # fresh lease: no round trip, still unaware

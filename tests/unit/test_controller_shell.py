@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import resource
 import threading
-import time
 from pathlib import Path
 
 from tests.unit.job_harness import ShellJob
 from undying.protocol import (
-    AgentPoll,
-    Heartbeat,
-    OrderKind,
-    Phase,
     PlanAction,
     RecoverRequest,
-    WorkerState,
-    WorkerStatus,
 )
 
 RECOVERY = {"process_recover": True, "recover_strategy": ["recover-in-place"], "nnodes": 2, "nproc_per_node": 2,
@@ -41,19 +34,7 @@ def test_check_ins_waiting_for_a_plan_do_not_spin(tmp_path: Path) -> None:
     job = ShellJob(tmp_path, **RECOVERY)
     controller = job.controller
     try:
-        for node in (0, 1):
-            assert job.hello(node).accepted
-        job.start()
-        for node in (0, 1):
-            deadline = time.monotonic() + 5
-            while controller.poll(AgentPoll(node, 0, [], 0.2, pid=1000 + node, hostname=f"host{node}")).kind \
-                    != OrderKind.START and time.monotonic() < deadline:
-                pass
-        for rank in range(4):
-            controller.heartbeat(Heartbeat(rank, rank // 2, 1, 7, Phase.COMPUTING, 2000 + rank))
-        killed = WorkerStatus(3, 1, 2003, 1, WorkerState.EXITED, -9, "SIGKILL").to_dict()
-        controller.report(AgentPoll(1, 1, [killed], 0.0, pid=1001, hostname="host1"))
-        assert job.wait_for(lambda: controller.generation == 2)
+        job.start_two_nodes_and_kill_rank3()
 
         plans: dict[int, PlanAction] = {}
 
