@@ -91,10 +91,13 @@ class Membership:
             self.group = None
 
     def close(self) -> None:
-        """End of training: destroy torch's default group the ordinary way."""
+        """End of training: destroy torch's default group the ordinary way, and shut the training
+        group's communicators down (NCCL), every rank being done with both."""
         if self.default_group is not None:
             self.default_group.destroy()
             self.default_group = None
+        if self.group is not None:
+            self.group.shutdown()
 
     def enter(self, plan: Plan) -> None:
         """Become part of the plan's generation (its group is built next: ``build_group``)."""
