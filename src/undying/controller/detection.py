@@ -85,7 +85,10 @@ class FaultDetector:
         host). Empty unless the watchdog acts on hangs."""
         if self.watchdog != "on" or not node.confirmed or now - node.last_seen <= self.deadlines.agent_quiet_after:
             return []
-        return sorted(record.rank for record in self.membership.ranks.values()
+        # The node's own ranks (the layout is fixed), not every rank of the job for each late node.
+        ranks = self.membership.ranks
+        records = [ranks[rank] for rank in self.membership.ranks_of(node.node) if rank in ranks]
+        return sorted(record.rank for record in records
                       if record.node == node.node and record.exitcode is None and not record.done
                       and record.last_heartbeat is not None and now - record.last_heartbeat > self.deadlines.heartbeat)
 
@@ -121,8 +124,10 @@ class FaultDetector:
         # A node whose agent's connection just closed may be gone: its ranks' silence and the
         # survivors' failed steps are symptoms of it until it polls again or is declared lost.
         suspect = membership.suspect_nodes()
+        # Once per call, not per rank: this scan runs every tick over every rank of the job.
+        watched = {node_id for node_id, node in membership.nodes.items() if node.alive} - suspect
         for record in membership.ranks.values():
-            if not membership.node_alive(record.node) or record.node in suspect:
+            if record.node not in watched:
                 continue  # the node's agent_lost fault covers its ranks
             fault = self._rank_fault(record, now, generation)
             if fault is not None:
@@ -136,26 +141,25 @@ class FaultDetector:
         return None
 
     def _rank_fault(self, record: RankRecord, now: float, generation: int) -> Fault | None:
-        where: dict[str, Any] = {"node": record.node, "rank": record.rank, "step": record.step}
         if record.exitcode not in (None, 0):
-            return Fault(FaultReason.WORKER_EXIT, exitcode=record.exitcode, signal=record.signal, **where)
+            return Fault(FaultReason.WORKER_EXIT, exitcode=record.exitcode, signal=record.signal, **_where(record))
         if record.exitcode == 0:
             return None
         if record.done:
             # Said it finished but its process has not ended: stuck in teardown.
             if record.done_at is not None and now - record.done_at > self.deadlines.stop:
-                return Fault(FaultReason.EXIT_TIMEOUT, **where)
+                return Fault(FaultReason.EXIT_TIMEOUT, **_where(record))
             return None
         if record.last_heartbeat is None:
             if now - record.started_at > self.deadlines.start:
-                return Fault(FaultReason.START_TIMEOUT, **where)
+                return Fault(FaultReason.START_TIMEOUT, **_where(record))
             return None
         hang = None
         if now - record.last_heartbeat > self.deadlines.heartbeat:
-            hang = Fault(FaultReason.HEARTBEAT_MISSED, **where)
+            hang = Fault(FaultReason.HEARTBEAT_MISSED, **_where(record))
         elif self._stalled(record, now):
             # Alive (its heartbeat thread beats) but its training thread commits no step.
-            hang = Fault(FaultReason.STEP_STALLED, **where)
+            hang = Fault(FaultReason.STEP_STALLED, **_where(record))
         if hang is None or self.watchdog == "on":
             return hang
         self._note_unacted_hang(record, hang, generation)
@@ -173,3 +177,8 @@ class FaultDetector:
             record.hang_reported_step = record.step
             self.emit(ev.HANG_SUSPECTED, node=record.node, rank=record.rank, step=record.step,
                       generation=generation, details={"watchdog": self.watchdog, "description": fault.describe()})
+
+
+def _where(record: RankRecord) -> dict[str, Any]:
+    # Built only for a fault found, not for every rank the per-tick scan finds healthy.
+    return {"node": record.node, "rank": record.rank, "step": record.step}
