@@ -92,3 +92,17 @@ def test_survivors_leave_the_dead_generation_without_waiting_for_comm_timeout(ki
     connections: a survivor still waiting for it in a collective fails at once, not by timeout."""
     reasons = [event.details["reason"] for event in killed_run.kinds(ev.STEP_FAILED) if event.generation == 1]
     assert reasons and not [reason for reason in reasons if "Timed out" in reason], reasons
+
+
+def test_a_failed_user_collective_without_retry_is_a_symptom_not_a_crash(dist_reference: JobRun,
+                                                                          tmp_path: Path) -> None:
+    """Without `retry`, a user collective that fails because a peer died is no error of the script:
+    the controller aborts the generation (told within a moment), the step is re-run after a
+    recover-in-place, and no survivor process is lost."""
+    run = run_job(tmp_path, ["--set", "process_recover=true", "--recover-strategy", "recover-in-place,recover",
+                             "--inject", f"kill:rank=1:step={FAULT_STEP}"],
+                  steps=STEPS, script=DIST_USER, timeout=150, script_args=["--final-state", str(tmp_path / FINAL_STATE)])
+    assert run.returncode == 0, run.output + run.logs()
+    assert run.result["param_sha256"] == dist_reference.result["param_sha256"]
+    assert assert_collectives_agree(run) == assert_collectives_agree(dist_reference)
+    assert_survivors_kept(run, {1}, "recover-in-place")

@@ -66,6 +66,11 @@ class Reporter:
         if address:
             self._thread.start()
 
+    @property
+    def connected(self) -> bool:
+        """Is there a controller to report to (False in a standalone run)?"""
+        return self._client is not None
+
     def update(self, step: int | None = None, phase: str | None = None, loss: float | None = None) -> None:
         if step is not None and step != self.step:
             self.step = step

@@ -9,6 +9,8 @@ is on. What failed is kept in ``failure``; the runtime then recovers and re-runs
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from undying.config import JobSpec
@@ -21,6 +23,12 @@ from undying.runtime.reporter import Reporter
 from undying.runtime.rng_mirror import RngMirror
 from undying.runtime.training_state import TrainingState
 from undying.strategy_names import StrategyName
+
+# How long an exception in the step body waits to learn whether the controller aborted the
+# generation (then it is a symptom of a fault elsewhere and the step is re-run) before it is the
+# user's own error and ends the process.
+ABORT_GRACE_S = 2.0
+ABORT_POLL_S = 0.1
 
 
 class StepTransaction:
@@ -106,15 +114,33 @@ class StepTransaction:
         return True
 
     def step_raised(self, error: BaseException | None) -> bool:
-        """The ``with step:`` guard saw the body end; True suppresses its exception (the step retries)."""
-        if error is None or not isinstance(error, Exception):
+        """The ``with step:`` guard saw the body end; True suppresses its exception (the step is re-run).
+
+        Suppressed: any exception of a step that could not commit anyway (its all-reduce failed, or
+        the controller aborted the generation, told within ABORT_GRACE_S): a user collective that
+        fails because a peer died is a symptom of that fault, and the recovery re-runs the step.
+        Else, with ``retry``, an exception of the step's own (this rank votes no, nobody applies it)."""
+        if error is None or not isinstance(error, Exception) or self.updated:
             return False
-        if self.updated or StrategyName.RETRY not in self.spec.recover_strategy:
+        if self.failure is None and StrategyName.RETRY not in self.spec.recover_strategy \
+                and not self._generation_aborted_soon():
             return False
         self.fail(f"exception in step: {error!r}")
         if not self.voted:
             # Vote no in the all-reduce the other ranks are waiting in, so nobody applies this step.
             self.commit(vote_ok=False)
+        return True
+
+    def _generation_aborted_soon(self) -> bool:
+        """Has the controller aborted this generation, or does it within ABORT_GRACE_S? A peer's death
+        reaches the controller at once (its agent reports the exit), the abort a moment later."""
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while not self.membership.aborted():
+            if not self.reporter.connected or time.monotonic() > deadline:
+                return False
+            self.reporter.confirm_generation(lease=0.0)
+            if not self.membership.aborted():
+                time.sleep(ABORT_POLL_S)
         return True
 
     def fail(self, reason: str) -> None:
