@@ -1,4 +1,4 @@
-"""The ``undying`` command: run, demo, report, status.
+"""The ``undying`` command: run, demo, report, status, k8s render.
 
 Runs in the user's shell process. Every bad input ends in one line
 ``undying: error: ...`` and exit code 2, before anything is started or written.
@@ -95,6 +95,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a Python module (python -m)")
     parser.add_argument("--no-python", action="store_true", help="run SCRIPT as an executable, not via python")
     parser.add_argument("--quiet", action="store_true", help="do not print job events")
+    parser.add_argument("--pod-labels", metavar="FILE", help="Kubernetes: the pod's labels (a Downward API file); "
+                        "the seeds' keys (process-recover-enable, ...) override the spec")
+    parser.add_argument("--pod-annotations", metavar="FILE", help="Kubernetes: the pod's annotations (a Downward "
+                        "API file); recover-strategy and wait-reschedule-timeout override the spec")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--etcd", metavar="HOST:PORT[,...]", help="a failover job: find its leader in etcd")
     status.add_argument("--job-name", help="with --etcd: the job's name")
     status.add_argument("--token-file", required=True)
+    k8s = commands.add_parser("k8s", help="Kubernetes: render a job's manifests")
+    k8s_commands = k8s.add_subparsers(dest="k8s_command", required=True, parser_class=OneLineParser)
+    from undying.k8s.command import add_render_arguments
+
+    add_render_arguments(k8s_commands.add_parser("render", help="write the manifests of a job for a cluster engine"))
     return parser
 
 
@@ -160,6 +169,10 @@ def command_run(args: argparse.Namespace) -> int:
     overrides["checkpoint.interval"] = args.checkpoint_interval
     try:
         spec = load_job_spec(args.config, overrides)
+        if args.pod_labels or args.pod_annotations:
+            from undying.k8s.labels import apply_pod_metadata_files
+
+            spec = apply_pod_metadata_files(spec, args.pod_labels, args.pod_annotations)
         injections = parse_injections(args.inject)
         check_targets(injections, spec.world_size, spec.nnodes)
     except (SpecError, InjectionSpecError) as error:
@@ -234,6 +247,16 @@ def command_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_k8s_render(args: argparse.Namespace) -> int:
+    from undying.k8s.command import run_render
+    from undying.k8s.render import RenderError
+
+    try:
+        return run_render(args)
+    except (SpecError, RenderError) as error:
+        fail(str(error))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
@@ -246,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         return command_report(args)
     if args.command == "status":
         return command_status(args)
+    if args.command == "k8s":
+        return command_k8s_render(args)
     fail(f"unknown command {args.command!r}")
 
 

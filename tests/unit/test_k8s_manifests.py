@@ -1,0 +1,226 @@
+"""Rendered manifests are valid Kubernetes: core objects (Service, Secret, ConfigMap, the pod
+templates, the JobSet's Job template) by ``kubernetes-validate`` (strict: an unknown field fails),
+the engines' own objects by their CRD schemas (tests/k8s_schemas/README.md) with ``jsonschema``.
+And each pod gets what `undying run` needs: its node rank from the engine's index variable, the
+controller's Service, the token Secret, the spec, /dev/shm sized for T1, restart policies that
+follow pod_rescheduling. Nothing here runs against a cluster."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from undying.config import validate_job_spec
+from undying.k8s import Flavor, RenderOptions, render_job
+from undying.k8s.engines import node0_selector
+from undying.k8s.pod import NODE_INDEX_VARIABLE, node_script
+from undying.k8s.render import pod_templates
+
+SCHEMAS = Path(__file__).resolve().parents[1] / "k8s_schemas"
+CRD_SCHEMA = {"JobSet": "jobset.x-k8s.io_v1alpha2_jobset.json", "PyTorchJob": "kubeflow.org_v1_pytorchjob.json",
+              "Job": "batch.volcano.sh_v1alpha1_job.json"}
+POD_LEVEL = {"process_recover": True, "recover_strategy": ["recover-in-place", "recover"],
+             "pod_rescheduling": "on", "nnodes": 3, "nproc_per_node": 4,
+             "checkpoint": {"dir": "s3://bucket/ckpt", "snapshot_slots": 3}}
+JOB_LEVEL = {"nnodes": 2, "nproc_per_node": 8, "max_restarts": 5}
+
+
+def rendered(fields: dict, flavor: Flavor, standby: int = 0, **options: Any) -> list[dict[str, Any]]:
+    spec = validate_job_spec(fields)
+    return render_job(spec, RenderOptions(name="llm-run", flavor=flavor, image="registry/undying:1",
+                                          script=["/app/train.py", "--steps", "100"], standby=standby, **options))
+
+
+def core_objects(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The core objects, plus the pod templates (and a JobSet's Job template) as objects of their own."""
+    core = [item for item in objects if item["apiVersion"] == "v1"]
+    [job] = [item for item in objects if item["apiVersion"] != "v1"]
+    for number, template in enumerate(pod_templates(job)):
+        core.append({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"t{number}"},
+                     "template": template})
+    if job["kind"] == "JobSet":
+        for replicated in job["spec"]["replicatedJobs"]:
+            core.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": replicated["name"]},
+                         "spec": replicated["template"]["spec"]})
+    return core
+
+
+CASES = [(flavor, fields, standby) for flavor in Flavor for fields, standby in ((POD_LEVEL, 1), (JOB_LEVEL, 0))]
+
+
+@pytest.mark.parametrize(("flavor", "fields", "standby"), CASES)
+def test_core_objects_validate_with_kubernetes_validate(flavor: Flavor, fields: dict, standby: int) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    version = kubernetes_validate.latest_version()
+    for item in core_objects(rendered(fields, flavor, standby, gpu_resource="nvidia.com/gpu")):
+        kubernetes_validate.validate(item, version, strict=True)  # raises on any error
+
+
+@pytest.mark.parametrize(("flavor", "fields", "standby"), CASES)
+def test_engine_objects_validate_against_their_crd_schemas(flavor: Flavor, fields: dict, standby: int) -> None:
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
+    [job] = [item for item in rendered(fields, flavor, standby) if item["apiVersion"] != "v1"]
+    schema = json.loads((SCHEMAS / CRD_SCHEMA[job["kind"]]).read_text())
+    jsonschema.validate(job, schema)
+
+
+def test_the_crd_schemas_catch_a_wrong_field() -> None:
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
+    for flavor in Flavor:
+        [job] = [item for item in rendered(POD_LEVEL, flavor) if item["apiVersion"] != "v1"]
+        schema = json.loads((SCHEMAS / CRD_SCHEMA[job["kind"]]).read_text())
+        pod_templates(job)[0]["spec"]["containers"][0]["ports"][0]["containerPort"] = "29400"
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(job, schema)
+
+
+def container(template: dict[str, Any]) -> dict[str, Any]:
+    [only] = template["spec"]["containers"]
+    return only
+
+
+@pytest.mark.parametrize("flavor", list(Flavor))
+def test_each_pod_reaches_the_controller_token_spec_and_pod_metadata(flavor: Flavor) -> None:
+    objects = rendered(POD_LEVEL, flavor, standby=1)
+    secret, config_map, service, job = objects
+    templates = pod_templates(job)
+    assert {template["metadata"]["annotations"]["recover-strategy"] for template in templates} == {
+        "recover-in-place,recover"}
+    pod = container(templates[0])
+    assert pod["command"][:2] == ["/bin/sh", "-c"]
+    arguments = pod["args"]
+
+    def value(flag: str) -> str:
+        return arguments[arguments.index(flag) + 1]
+
+    assert value("--controller") == f"{service['metadata']['name']}:29400"
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == node0_selector(
+        RenderOptions(name="llm-run", flavor=flavor, image="", script=[]))
+    assert service["spec"]["ports"][0]["targetPort"] == pod["ports"][0]["name"]
+    volumes = {volume["name"]: volume for volume in templates[0]["spec"]["volumes"]}
+    mounts = {mount["mountPath"]: mount["name"] for mount in pod["volumeMounts"]}
+    token_dir, token_key = value("--token-file").rsplit("/", 1)
+    assert volumes[mounts[token_dir]]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert token_key in secret["stringData"] and len(secret["stringData"][token_key]) >= 16
+    spec_dir, spec_file = value("--config").rsplit("/", 1)
+    assert volumes[mounts[spec_dir]]["configMap"]["name"] == config_map["metadata"]["name"]
+    assert validate_job_spec(yaml.safe_load(config_map["data"][spec_file])) == validate_job_spec(POD_LEVEL)
+    info_dir = value("--pod-annotations").rsplit("/", 1)[0]
+    paths = {item["path"]: item["fieldRef"]["fieldPath"] for item in volumes[mounts[info_dir]]["downwardAPI"]["items"]}
+    assert paths == {"labels": "metadata.labels", "annotations": "metadata.annotations"}
+    assert arguments[-3:] == ["/app/train.py", "--steps", "100"]
+
+
+def test_dev_shm_is_a_memory_volume_sized_for_the_t1_slots() -> None:
+    [job] = [item for item in rendered(POD_LEVEL, Flavor.JOBSET, state_gib=2.5) if item["kind"] == "JobSet"]
+    template = pod_templates(job)[0]
+    shm = next(volume for volume in template["spec"]["volumes"] if volume["name"] == "dshm")
+    # 4 ranks x 3 slots x 2.5 GiB + 1 GiB headroom
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{31 * 1024}Mi"}
+    assert container(template)["resources"]["requests"]["memory"] == f"{31 * 1024}Mi"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container(template)["volumeMounts"]
+
+
+def run_node_script(flavor: Flavor, environment: dict[str, str], tmp_path: Path) -> list[str]:
+    """The pod's shell with ``undying`` replaced by a stub that prints its arguments."""
+    stub = tmp_path / "undying"
+    stub.write_text('#!/bin/sh\nfor arg in "$@"; do echo "$arg"; done\n')
+    stub.chmod(0o755)
+    script = node_script(validate_job_spec(POD_LEVEL), RenderOptions(name="j", flavor=flavor, image="", script=[]))
+    result = subprocess.run(["/bin/sh", "-c", script, "undying-node", "--config", "f", "t.py"], capture_output=True,
+                            text=True, env={"PATH": f"{tmp_path}:/usr/bin:/bin", **environment})
+    return result.stdout.splitlines() if result.returncode == 0 else [result.stderr.strip()]
+
+
+@pytest.mark.parametrize("flavor", list(Flavor))
+def test_the_node_rank_comes_from_the_engines_index_and_spares_join_beyond_nnodes(flavor: Flavor,
+                                                                                  tmp_path: Path) -> None:
+    variable = NODE_INDEX_VARIABLE[flavor]
+    assert run_node_script(flavor, {variable: "2"}, tmp_path) == ["run", "--node-rank", "2", "--config", "f", "t.py"]
+    assert run_node_script(flavor, {variable: "3"}, tmp_path) == [
+        "run", "--node-rank", "3", "--standby", "1", "--config", "f", "t.py"]
+    [error] = run_node_script(flavor, {}, tmp_path)
+    assert f"{variable} is not set" in error
+
+
+@pytest.mark.parametrize("flavor", list(Flavor))
+def test_restart_policies_follow_pod_rescheduling(flavor: Flavor) -> None:
+    [pod_level] = [item for item in rendered(POD_LEVEL, flavor, 1) if item["apiVersion"] != "v1"]
+    [job_level] = [item for item in rendered(JOB_LEVEL, flavor) if item["apiVersion"] != "v1"]
+    if flavor is Flavor.JOBSET:
+        pod_job = pod_level["spec"]["replicatedJobs"][0]["template"]["spec"]
+        job_job = job_level["spec"]["replicatedJobs"][0]["template"]["spec"]
+        assert pod_level["spec"]["failurePolicy"]["maxRestarts"] == 0
+        assert pod_job["backoffLimitPerIndex"] == 32767 and "backoffLimit" not in pod_job
+        assert job_level["spec"]["failurePolicy"]["maxRestarts"] == 5 and job_job["backoffLimit"] == 0
+        assert pod_job["completions"] == pod_job["parallelism"] == 4  # 3 nodes + 1 spare
+    elif flavor is Flavor.PYTORCHJOB:
+        replicas = pod_level["spec"]["pytorchReplicaSpecs"]
+        assert (replicas["Master"]["replicas"], replicas["Worker"]["replicas"]) == (1, 3)
+        assert {spec["restartPolicy"] for spec in replicas.values()} == {"OnFailure"}
+        assert {spec["restartPolicy"] for spec in job_level["spec"]["pytorchReplicaSpecs"].values()} == {"Never"}
+    else:
+        assert {policy["action"] for policy in pod_level["spec"]["policies"]} == {"RestartPod"}
+        assert {policy["action"] for policy in job_level["spec"]["policies"]} == {"RestartJob"}
+        assert job_level["spec"]["maxRetry"] == 5
+        assert pod_level["spec"]["minAvailable"] == 3 and pod_level["spec"]["tasks"][0]["replicas"] == 4
+
+
+def test_the_cli_writes_one_file_per_object_and_refuses_bad_options(tmp_path: Path) -> None:
+    spec_path = tmp_path / "llm_run.yaml"
+    spec_path.write_text(yaml.safe_dump({"nnodes": 2, "nproc_per_node": 2}))
+
+    def render(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "undying.cli", "k8s", "render", str(spec_path),
+                               "--script", "/app/train.py --steps 5", *extra],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    result = render("--flavor", "volcano", "--nodes", "3", "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    files = sorted(path.name for path in (tmp_path / "out").iterdir())
+    assert files == ["00-secret-llm-run-token.yaml", "01-configmap-llm-run-spec.yaml",
+                     "02-service-llm-run-ctl.yaml", "03-job-llm-run.yaml"]
+    job = yaml.safe_load((tmp_path / "out" / files[-1]).read_text())
+    assert job["spec"]["minAvailable"] == 3
+    refused = render("--flavor", "jobset", "--standby", "1")
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == [
+        "undying: error: --standby: spare pods take a lost node's place only with pod_rescheduling: on (got 'off')"]
+    bad_flavor = render("--flavor", "mpijob")
+    assert bad_flavor.returncode == 2 and len(bad_flavor.stderr.splitlines()) == 1
+
+
+def test_every_flavour_runs_the_same_node_command_but_for_its_index_variable() -> None:
+    """The real-process test (tests/faults/test_k8s_pods.py) runs the JobSet's pods; the other
+    engines' pods differ from them only in the variable the node rank is read from."""
+    commands = {}
+    for flavor in Flavor:
+        [job] = [item for item in rendered(POD_LEVEL, flavor, standby=1) if item["apiVersion"] != "v1"]
+        pod = container(pod_templates(job)[0])
+        script = pod["command"][2].replace(NODE_INDEX_VARIABLE[flavor], "INDEX")
+        commands[flavor] = (pod["command"][:2], script, pod["command"][3:], pod["args"], pod["env"], pod["ports"])
+    assert commands[Flavor.PYTORCHJOB] == commands[Flavor.JOBSET] == commands[Flavor.VOLCANO]
+
+
+@pytest.mark.parametrize("flavor", list(Flavor))
+def test_with_etcd_every_pod_is_a_candidate_bound_to_its_pod_ip(flavor: Flavor) -> None:
+    objects = rendered(POD_LEVEL, flavor, standby=1, etcd="etcd-0:2379,etcd-1:2379")
+    assert [item["kind"] for item in objects if item["apiVersion"] == "v1"] == ["Secret", "ConfigMap"]
+    [job] = [item for item in objects if item["apiVersion"] != "v1"]
+    pod = container(pod_templates(job)[0])
+    arguments = pod["args"]
+    assert "--controller" not in arguments
+    assert arguments[arguments.index("--controller-bind") + 1] == "$(POD_IP)"
+    assert arguments[arguments.index("--etcd") + 1:arguments.index("--etcd") + 4] == [
+        "etcd-0:2379,etcd-1:2379", "--job-name", "llm-run"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in pod["env"]
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+    for item in core_objects(objects):
+        kubernetes_validate.validate(item, kubernetes_validate.latest_version(), strict=True)
