@@ -5,6 +5,8 @@ jump in position drops what was read ahead; and ft.dataloader's stateful iterabl
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
+from tests.conftest import REPO
 from undying.config import JobSpec
 from undying.data import ResumableLoader
 from undying.data_iterable import StatefulIterableLoader
@@ -271,8 +274,18 @@ def test_what_ft_dataloader_cannot_take_is_named(tmp_path, source, kwargs, messa
 
 
 def test_ft_dataloader_passes_the_worker_options_on(tmp_path):
-    ft = standalone(tmp_path)
-    loader = ft.dataloader(Features(), 2, seed=3, num_workers=2, pin_memory=True)
-    assert isinstance(loader, ResumableLoader) and ft.loaders == [loader]
-    assert loader.num_workers == 2 and loader.pin_memory == (ft.device.type == "cuda")
-    assert same(next(loader), next(ResumableLoader(Features(), 2, 3, 0, 1)))
+    """In a fresh interpreter, as in a worker: the DataLoader forks its worker processes, and a fork
+    of this test process, full of earlier tests' threads, once crashed in the child (CI)."""
+    code = f"""
+from pathlib import Path
+from tests.unit.test_dataloader_workers import Features, same, standalone
+from undying.data import ResumableLoader
+ft = standalone(Path({str(tmp_path)!r}))
+loader = ft.dataloader(Features(), 2, seed=3, num_workers=2, pin_memory=True)
+assert isinstance(loader, ResumableLoader) and ft.loaders == [loader]
+assert loader.num_workers == 2 and loader.pin_memory == (ft.device.type == "cuda")
+assert same(next(loader), next(ResumableLoader(Features(), 2, 3, 0, 1)))
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
