@@ -34,10 +34,10 @@ def test_a_stale_lease_asks_the_controller_and_a_fresh_one_does_not(tmp_path: Pa
         job.start_two_nodes_and_kill_rank3()  # recover-in-place aborts generation 1
         assert reporter.abort_generation == 0  # the thread sleeps QUIET seconds: it has not heard yet
 
-        reporter.confirm_generation(lease=QUIET)  # fresh lease: no round trip, still unaware
+        assert not reporter.confirm_generation(lease=QUIET)  # fresh lease: no round trip, still unaware
         assert reporter.abort_generation == 0
 
-        reporter.confirm_generation(lease=0.0)  # stale lease: one heartbeat from this thread
+        assert reporter.confirm_generation(lease=0.0)  # stale lease: one heartbeat from this thread
         assert reporter.abort_generation >= 1, "the fence must learn that generation 1 was aborted"
     finally:
         reporter.close()

@@ -198,8 +198,8 @@ def test_the_cli_writes_one_file_per_object_and_refuses_bad_options(tmp_path: Pa
 
 
 def test_every_flavour_runs_the_same_node_command_but_for_its_index_variable() -> None:
-    """The real-process test (tests/faults/test_k8s_pods.py) runs the JobSet's pods; the other
-    engines' pods differ from them only in the variable the node rank is read from."""
+    """The engines' pods differ only in the variable the node rank is read from (the real-process
+    test, tests/faults/test_k8s_pods.py, runs each engine's pods with its own variables)."""
     commands = {}
     for flavor in Flavor:
         [job] = [item for item in rendered(POD_LEVEL, flavor, standby=1) if item["apiVersion"] != "v1"]

@@ -109,20 +109,22 @@ class Reporter:
         self.mirror_store = reply.mirror_store
         self._answered_sent_at = max(self._answered_sent_at or sent_at, sent_at)
 
-    def confirm_generation(self, lease: float) -> None:
+    def confirm_generation(self, lease: float) -> bool:
         """The fence before a step is applied: unless a heartbeat sent less than ``lease`` seconds ago
         was answered, ask the controller now (one heartbeat from the calling thread).
 
         A rank stopped (SIGSTOP, a frozen host) longer than its heartbeat timeout may have been
         replaced; woken, its all-reduce can still complete from bytes its peers sent before they gave
         the step up, and without this it would apply a step the job never took. A controller that
-        does not answer cannot be replacing anyone (failover): the step goes on."""
+        does not answer cannot be replacing anyone (failover): the step goes on. Returns whether it
+        asked (the lease had run out)."""
         if self._client is None:
-            return
+            return False
         answered = self._answered_sent_at
         if answered is not None and time.monotonic() - answered < lease:
-            return
+            return False
         self._beat(self._client)
+        return True
 
     def emit(self, kind: str, step: int | None = None, **details: Any) -> None:
         event = Event(kind=kind, node=self.node, rank=self.rank, step=self.step if step is None else step,

@@ -105,10 +105,14 @@ class StepTransaction:
         if not all_ok:
             self.fail("a rank voted against this step")
             return False
-        if self.spec.watchdog == "on":
-            self.reporter.confirm_generation(lease=self.spec.heartbeat_timeout / 2)
-        if self.membership.aborted():
-            self.fail("the controller aborted this generation before the step was applied")
+        # The fence: a rank silent for long enough to have been given up (a frozen host, woken) asks
+        # the controller first, and applies nothing if its generation was aborted meanwhile: its
+        # all-reduce may have completed from bytes its peers sent before they gave the step up. A
+        # rank heard from lately applies the step every rank voted for, even if a peer has died
+        # since: its peers apply it too, and a recovery starts from it.
+        if self.spec.watchdog == "on" and self.reporter.confirm_generation(lease=self.spec.heartbeat_timeout / 2) \
+                and self.membership.aborted():
+            self.fail("the controller aborted this generation while this rank was silent")
             return False
         self.updated = True
         return True
