@@ -67,12 +67,20 @@ def _jobset(spec: JobSpec, options: RenderOptions) -> dict[str, Any]:
     }
 
 
+PYTORCHJOB_PORT_NAME = "pytorchjob-port"  # training-operator v1's name for the torchrun master port
+PYTORCHJOB_DEFAULT_PORT = 23456  # the operator's default for it (unused by undying's own agents)
+
+
 def _pytorchjob(spec: JobSpec, options: RenderOptions) -> dict[str, Any]:
     # PyTorchJob has no job-level restart of every pod: with pod_rescheduling off a failed pod fails
     # the job (undying's own job restarts still cover faults inside live pods).
     restart_policy = "OnFailure" if pod_level(spec) else "Never"
     backoff = spec.max_restarts if pod_level(spec) else 0
     template = pod_template(spec, options, restart_policy=restart_policy)
+    # The operator takes MASTER_PORT from a container port of this name, which only its defaulting
+    # adds when absent: rendered here, the job does not depend on that defaulting.
+    template["spec"]["containers"][0]["ports"].append(
+        {"name": PYTORCHJOB_PORT_NAME, "containerPort": PYTORCHJOB_DEFAULT_PORT, "protocol": "TCP"})
     replicas: dict[str, Any] = {"Master": {"replicas": 1, "restartPolicy": restart_policy, "template": template}}
     workers = spec.nnodes - 1 + options.standby
     if workers:
