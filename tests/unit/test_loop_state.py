@@ -10,8 +10,14 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LinearLR, SequentialLR
 
-from undying.runtime.optim import CommitOptimizer, find_loop_state, unwrapped_optimizers
+from undying.runtime.optim import CommitOptimizer, search_loop_state
 from undying.runtime.training_state import TrainingState
+
+
+def loop_state(optimizers: list[CommitOptimizer], registered: list[object]) -> tuple[dict[str, Any], list[str]]:
+    """The schedulers and GradScalers ``search_loop_state`` finds: (by name, ambiguous)."""
+    search = search_loop_state(optimizers, registered, ())
+    return search.found, search.ambiguous
 
 
 class Counter:
@@ -191,18 +197,18 @@ def test_schedulers_and_a_grad_scaler_are_found_without_register() -> None:
                 LambdaLR(other.inner, warmup)]
     chained = SequentialLR(other.inner, on_inner, milestones=[2])
     scaler = torch.amp.GradScaler("cpu")
-    found, left_out = find_loop_state([loop.opt, other.opt], registered=[])
+    found, left_out = loop_state([loop.opt, other.opt], registered=[])
     assert found == {"lr_scheduler.0.LambdaLR": on_wrapper, "lr_scheduler.1.SequentialLR": chained,
                      "grad_scaler": scaler}
     assert left_out == []
-    found, _ = find_loop_state([loop.opt, other.opt], registered=[on_wrapper, scaler])
+    found, _ = loop_state([loop.opt, other.opt], registered=[on_wrapper, scaler])
     assert found == {"lr_scheduler.1.SequentialLR": chained}
 
 
 def test_schedulers_that_cannot_be_named_apart_are_left_to_register() -> None:
     loop = Loop()
     first, second = LambdaLR(loop.opt, warmup), LambdaLR(loop.opt, warmup)
-    found, left_out = find_loop_state([loop.opt], registered=[])
+    found, left_out = loop_state([loop.opt], registered=[])
     assert "lr_scheduler.0.LambdaLR" not in found
     assert left_out == ["2 x lr_scheduler.0.LambdaLR"]
     loop.state.register("warmup", first)
@@ -230,9 +236,9 @@ def test_an_optimizer_over_the_model_that_is_not_wrapped_is_named() -> None:
     """Its step() would change the model outside the step's commit: ft.steps refuses to start."""
     model = torch.nn.Linear(3, 2)
     wrapped = CommitOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), lambda: True, lambda _: None)
-    assert unwrapped_optimizers([wrapped], model.parameters()) == []
+    assert search_loop_state([wrapped], (), model.parameters()).strays == []
     stray = torch.optim.AdamW(model.parameters())
-    assert unwrapped_optimizers([wrapped], model.parameters()) == ["AdamW"]
+    assert search_loop_state([wrapped], (), model.parameters()).strays == ["AdamW"]
     other_model = torch.optim.Adam(torch.nn.Linear(3, 2).parameters())  # not over the wrapped model
-    assert unwrapped_optimizers([wrapped], model.parameters()) == ["AdamW"]
+    assert search_loop_state([wrapped], (), model.parameters()).strays == ["AdamW"]
     del stray, other_model

