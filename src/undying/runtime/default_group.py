@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from undying.runtime.pg import ABORT_POLL_S, REAP_DELAY_S, CollectiveError, GenerationGroup, start_reaper
+from undying.runtime.pg import (
+    ABORT_POLL_S,
+    REAP_DELAY_S,
+    CollectiveError,
+    GenerationGroup,
+    abort_quietly,
+    start_reaper,
+)
 
 STORE_PREFIX = "default"  # under the generation's prefix: keys .../gen{g}/default/...
 ALREADY_INITIALIZED = ("torch.distributed is already initialized: undying.init() installs the default "
@@ -62,13 +69,8 @@ class DefaultGroup:
 
     def abort(self) -> None:
         """Abort the group's NCCL communicators (gloo has nothing to abort: ``drop`` closes it)."""
-        group = self.group
-        if self.backend != "nccl" or group is None:
-            return
-        try:
-            group.abort()
-        except Exception:  # noqa: BLE001, S110 - the group is being dropped either way
-            pass
+        if self.backend == "nccl" and self.group is not None:
+            abort_quietly(self.group)
 
     def drop(self) -> None:
         """Uninstall without blocking (a failed generation): torch forgets the group (and any made from

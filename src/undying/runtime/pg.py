@@ -92,7 +92,7 @@ class GenerationGroup:
                 if given_up.is_set():
                     # Built after the waiting thread gave up on it: its NCCL communicators, made by
                     # now, must not outlive the failed generation.
-                    _abort_quietly(group)
+                    abort_quietly(group)
                 else:
                     built.append(group)
             except Exception as error:  # noqa: BLE001 - handed to the waiting thread
@@ -268,18 +268,16 @@ class GenerationGroup:
         """Abort the group's NCCL communicators (at most once): a collective stuck on a dead peer
         stops holding the GPU's streams, and the next generation's group starts clean. Gloo has no
         such call; its group dies with its sockets, in ``abandon``."""
-        abort = getattr(self.group, "abort", None)
-        if self.backend != "nccl" or self._aborted or abort is None:
+        if self.backend != "nccl" or self._aborted or getattr(self.group, "abort", None) is None:
             return
         self._aborted = True
-        for abort_other in [abort, *self._abort_also]:
-            try:
-                abort_other()
-            except Exception:  # noqa: BLE001, S110 - the group is being dropped either way
-                pass
+        abort_quietly(self.group)
+        for abort_other in self._abort_also:
+            abort_other()
 
     def abort_also(self, abort: Callable[[], None]) -> None:
-        """Have ``abort_backend`` also call ``abort`` (a second group of this generation's members)."""
+        """Have ``abort_backend`` also call ``abort`` (a second group of this generation's members;
+        ``abort`` swallows its own errors)."""
         self._abort_also.append(abort)
 
     def shutdown(self) -> None:
@@ -362,11 +360,13 @@ def flat_views(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torc
     return views
 
 
-def _abort_quietly(group: object) -> None:
+def abort_quietly(group: object) -> None:
+    """Abort a backend group's communicators (NCCL) if it has the call; a group being dropped
+    either way, its errors are of no interest."""
     abort = getattr(group, "abort", None)
     if abort is None:
         return
     try:
         abort()
-    except Exception:  # noqa: BLE001, S110 - a group nobody will use
+    except Exception:  # noqa: BLE001, S110 - the group is being dropped either way
         pass
