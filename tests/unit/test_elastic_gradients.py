@@ -5,11 +5,10 @@ hides a wrongly scaled gradient, so this is checked here, on the gradient itself
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
+from tests.unit.gloo_ranks import run_ranks
 from undying.data import ResumableLoader
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.pg import GenerationGroup
@@ -47,31 +46,20 @@ def full_batch_gradient(dataset: Points) -> torch.Tensor:
 @pytest.mark.parametrize("mode", ["accumulate", "grow"])
 def test_two_replicas_covering_four_slots_apply_the_full_batch_mean(mode: str) -> None:
     dataset = Points()
-    store = torch.distributed.HashStore()
-    gradients: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
     models = [model(), model()]  # built here: seeding the global RNG from two threads would race
 
-    def replica(index: int) -> None:
-        try:
-            group = GenerationGroup(store, "test", 1, index, 2, "gloo", 20.0, torch.device("cpu"))
-            wrapped = FixedLayoutDDP(models[index], lambda: group, torch.device("cpu"), broadcast=False)
-            loader = ResumableLoader(dataset, BATCH, 0, index, SLOTS)
-            loader.set_replicas(index, 2, mode)
-            wrapped.set_replica_share(loader.slot_count if mode == "grow" else 1, SLOTS)
-            for x, y in loader.step_batches():
-                torch.nn.functional.mse_loss(wrapped(x), y).backward()
-            wrapped.sync_gradients()
-            gradients[index] = wrapped.module.weight.grad.clone()
-        except BaseException as error:  # noqa: BLE001 - reported by the test thread
-            errors.append(error)
+    def replica(group: GenerationGroup) -> torch.Tensor:
+        index = group.rank
+        wrapped = FixedLayoutDDP(models[index], lambda: group, torch.device("cpu"), broadcast=False)
+        loader = ResumableLoader(dataset, BATCH, 0, index, SLOTS)
+        loader.set_replicas(index, 2, mode)
+        wrapped.set_replica_share(loader.slot_count if mode == "grow" else 1, SLOTS)
+        for x, y in loader.step_batches():
+            torch.nn.functional.mse_loss(wrapped(x), y).backward()
+        wrapped.sync_gradients()
+        return wrapped.module.weight.grad.clone()
 
-    threads = [threading.Thread(target=replica, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not errors, errors
+    gradients = dict(enumerate(run_ranks(2, replica)))
     expected = full_batch_gradient(dataset)
     assert torch.allclose(gradients[0], expected, rtol=1e-5, atol=1e-7)
     assert torch.equal(gradients[0], gradients[1])

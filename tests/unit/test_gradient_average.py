@@ -7,18 +7,17 @@ Ranks are threads of this process, each with its own ``GenerationGroup`` (gloo o
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
+from tests.unit.gloo_ranks import run_ranks
 from undying.runtime.ddp import FixedLayoutDDP, bucket_layout, commit_vote
 from undying.runtime.pg import GenerationGroup
 
 RANKS = 2
-JOIN_S = 60
 
 
 def deep_model() -> torch.nn.Module:
@@ -40,27 +39,8 @@ def local_gradients(model: torch.nn.Module, batches: list[torch.Tensor]) -> list
 
 
 def on_ranks(body: Callable[[int, GenerationGroup], Any]) -> dict[int, Any]:
-    """Run ``body(rank, group)`` on RANKS threads with a real gloo group; re-raise any failure."""
-    store = torch.distributed.HashStore()
-    results: dict[int, Any] = {}
-    errors: list[BaseException] = []
-
-    def rank_thread(rank: int) -> None:
-        try:
-            group = GenerationGroup(store, "test", 1, rank, RANKS, "gloo", 20.0, torch.device("cpu"))
-            results[rank] = body(rank, group)
-        except BaseException as error:  # noqa: BLE001 - re-raised by the test thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=rank_thread, args=(rank,)) for rank in range(RANKS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(JOIN_S)
-    assert not any(thread.is_alive() for thread in threads), "a rank hung"
-    if errors:
-        raise errors[0]
-    return results
+    """``body(rank, group)`` on RANKS threads with a real gloo group (tests/unit/gloo_ranks.py)."""
+    return dict(enumerate(run_ranks(RANKS, lambda group: body(group.rank, group))))
 
 
 def expected_mean(batches_of: Callable[[int], list[torch.Tensor]]) -> list[torch.Tensor]:

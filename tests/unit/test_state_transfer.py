@@ -7,11 +7,11 @@ import datetime
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from tests.unit.gloo_ranks import run_ranks
 from undying.runtime import state_transfer
 from undying.runtime.pg import GenerationGroup
 from undying.runtime.state_transfer import broadcast_state, buckets_of, recv_state, send_state
@@ -31,27 +31,6 @@ def source_state() -> dict[str, Any]:
         "loaders": [{"epoch": 1, "position": 36}],
         "statefuls": {"empty": torch.empty(0), "half": torch.arange(5, dtype=torch.float16)},
     }
-
-
-def run_ranks(world_size: int, body: Callable[[GenerationGroup], Any]) -> list[Any]:
-    store = torch.distributed.HashStore()
-    results: list[Any] = [None] * world_size
-    errors: list[BaseException] = []
-
-    def rank(index: int) -> None:
-        try:
-            group = GenerationGroup(store, "transfer", 1, index, world_size, "gloo", 20.0, CPU)
-            results[index] = body(group)
-        except BaseException as error:  # noqa: BLE001 - re-raised in the test thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=rank, args=(index,)) for index in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not errors, errors
-    return results
 
 
 def assert_same(received: Any, sent: Any) -> None:
