@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -312,11 +313,6 @@ def measure(ranks: int, steady_seconds: float, repeats: int) -> dict[str, Any]:
             "traced_bytes": traced, "traced_peak_bytes": traced_peak}
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| ranks | heartbeats CPU s / job-s | polls CPU s / job-s | ticks CPU s / job-s (ms per tick) "
              "| in-place: decision ms | in-place: plans to all ms | lost node: decision ms "
@@ -327,15 +323,15 @@ def table(rows: list[dict[str, Any]]) -> str:
 
         def ms(fault: str, key: str, r: dict[str, Any] = row) -> str:
             values = [1000 * one[key] for one in r[fault]]
-            return f"{_median(values):.1f} ({', '.join(f'{v:.1f}' for v in values)})"
+            return f"{statistics.median_high(values):.1f} ({', '.join(f'{v:.1f}' for v in values)})"
         lines.append(
             f"| {row['ranks']} | {steady['heartbeats_cpu_per_s']:.3f} | {steady['polls_cpu_per_s']:.4f} "
             f"| {steady['ticks_cpu_per_s']:.3f} ({steady['tick_ms']:.2f}) "
             f"| {ms('in_place', 'decision_cpu_s')} | {ms('in_place', 'plans_to_all_cpu_s')} "
             f"| {ms('lost_node', 'decision_cpu_s')} | {ms('lost_node', 'plans_to_all_cpu_s')} "
             f"| {row['rss_growth_bytes'] / 2**20:.1f} | {row['traced_bytes'] / 2**20:.1f} "
-            f"| {_median([one['plan_encode_each_cpu_s'] for one in row['in_place']]):.2f} / "
-            f"{_median([one['plan_encode_once_cpu_s'] for one in row['in_place']]):.3f} |")
+            f"| {statistics.median_high([one['plan_encode_each_cpu_s'] for one in row['in_place']]):.2f} / "
+            f"{statistics.median_high([one['plan_encode_once_cpu_s'] for one in row['in_place']]):.3f} |")
     return "\n".join(lines)
 
 
