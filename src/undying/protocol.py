@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-PROTOCOL_VERSION = 1
+# 2: a plan's and an order's rank lists travel as runs (``encode_runs``), not rank by rank.
+PROTOCOL_VERSION = 2
 
 # HTTP routes served by the controller. Every route needs the job token.
 ROUTE_AGENT_HELLO = "/v1/agent/hello"
@@ -74,16 +75,56 @@ class WorkerState(StrEnum):
 M = TypeVar("M", bound="Message")
 
 
+def encode_runs(ranks: list[int]) -> list[list[int]]:
+    """``ranks`` as runs of consecutive ranks, ``[start, stop)`` each, in their order: every rank of
+    a 16k-rank job is ``[[0, 16384]]`` instead of 16,384 numbers (~100 KB of JSON). Exact for any
+    list of ints (order and repeats kept); ``decode_runs`` gives it back."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([rank, rank + 1])
+    return runs
+
+
+def decode_runs(runs: Any, name: str) -> list[int]:
+    """The rank list ``encode_runs`` gave ``runs`` for; ``name`` names the field in the error."""
+    if not isinstance(runs, list) or not all(
+            isinstance(run, list) and len(run) == 2 and all(type(bound) is int for bound in run)
+            and run[0] < run[1] for run in runs):
+        raise ValueError(f"{name}: expected a list of [start, stop) pairs of ints with start < stop, got {runs!r}")
+    return [rank for start, stop in runs for rank in range(start, stop)]
+
+
 class Message:
-    """Base of every message: plain dataclass <-> dict, unknown keys ignored (forward compatible)."""
+    """Base of every message: plain dataclass <-> dict, unknown keys ignored (forward compatible).
+    Fields named in ``RUN_FIELDS`` (lists of ranks) travel as ``<field>_runs`` (``encode_runs``)."""
+
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)  # type: ignore[call-overload]
+        if not self.RUN_FIELDS:
+            return asdict(self)  # type: ignore[call-overload]
+        # Field by field, not asdict: its deep copy of a 16k-rank list costs ~10 ms (bench/scale.py).
+        data = {f.name: _copied(getattr(self, f.name)) for f in fields(self)  # type: ignore[arg-type]
+                if f.name not in self.RUN_FIELDS}
+        data.update({f"{name}_runs": encode_runs(getattr(self, name)) for name in self.RUN_FIELDS})
+        return data
 
     @classmethod
     def from_dict(cls: type[M], data: dict[str, Any]) -> M:
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        return cls(**{k: v for k, v in data.items() if k in names})
+        values = {k: v for k, v in data.items() if k in names}
+        for name in cls.RUN_FIELDS:
+            if f"{name}_runs" in data:
+                values[name] = decode_runs(data[f"{name}_runs"], f"{cls.__name__}.{name}_runs")
+        return cls(**values)
+
+
+def _copied(value: Any) -> Any:
+    # A plan's and an order's fields are flat (ints, strings, lists of them): a shallow copy is a copy.
+    return list(value) if isinstance(value, list) else value
 
 
 @dataclass
@@ -142,6 +183,8 @@ class AgentLeave(Message):
 
 @dataclass
 class Order(Message):
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = ("members",)
+
     kind: str = OrderKind.NONE
     generation: int = 0
     ranks: list[int] = field(default_factory=list)
@@ -182,6 +225,8 @@ class RecoverRequest(Message):
 @dataclass
 class Plan(Message):
     """What every rank does to leave a fault behind (docs/design.md, "Process-level recovery")."""
+
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = ("members", "receivers")
 
     action: str = PlanAction.WAIT
     strategy: str = ""

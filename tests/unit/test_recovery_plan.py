@@ -1,14 +1,21 @@
 """ActiveRecovery: who the plan waits for, when it is ready, and the plan it makes.
 
 The plan resumes from the newest step a survivor holds, takes the lowest rank at that step
-as the source, and sends the state to the newcomers and to every survivor behind it.
+as the source, and sends the state to the newcomers and to every survivor behind it. On the
+wire, its rank lists travel as runs: every survivor asks for the plan, and a 16k-rank member
+list, rank by rank, made each reply ~100 KB.
 """
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from undying.controller.recovery import ActiveRecovery
+from undying.controller.server import PlanReplies
 from undying.faults import Fault
-from undying.protocol import Plan, PlanAction
+from undying.protocol import Order, OrderKind, Plan, PlanAction
 from undying.strategy_names import StrategyName
 
 DUMP, RECOVER = StrategyName.DUMP, StrategyName.RECOVER
@@ -110,3 +117,45 @@ def test_the_dump_strategy_plans_a_dump():
 def test_every_other_strategy_plans_a_resume():
     for strategy in (RETRY, RECOVER_IN_PLACE, RECOVER):
         assert recovery(strategy).action == PlanAction.RESUME
+
+
+# A plan reply's bytes at 16k ranks once its rank lists travel as runs (rank by rank: ~104 KB).
+SMALL_REPLY_BYTES = 1024
+
+
+def wire(plan: Plan) -> Plan:
+    """The plan as a worker reads it from the controller's reply."""
+    return Plan.from_dict(json.loads(PlanReplies().encode(plan)))
+
+
+def test_a_16k_rank_plan_reply_is_small_and_the_worker_reads_the_same_plan():
+    members = list(range(16384))
+    plan = Plan(action=PlanAction.RESUME, strategy=RECOVER, generation=3, world_size=len(members), target_step=41,
+                source_rank=0, receivers=[8, 9, 10, 11, 12, 13, 14, 15], reason="node 1 lost", members=members,
+                store="10.0.0.1:29500", rng_stores=["10.0.0.2:29500"])
+    assert len(PlanReplies().encode(plan)) < SMALL_REPLY_BYTES
+    assert wire(plan) == plan
+
+
+@pytest.mark.parametrize("members", [
+    [],  # every rank of world_size
+    [0, 1, 2, 3, 8, 9, 10, 11],  # a shrunk job: node 1's ranks dropped
+    [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7],  # process-group order is kept, not sorted
+    [7, 3, 3, 0, 1, -1],
+])
+def test_rank_lists_round_trip_exactly(members: list[int]):
+    plan = Plan(action=PlanAction.RESUME, members=members, receivers=sorted(set(members))[::2])
+    assert wire(plan) == plan
+    order = Order(kind=OrderKind.START, generation=2, ranks=[4, 5], members=members)
+    assert Order.from_dict(json.loads(json.dumps(order.to_dict()))) == order
+
+
+def test_a_plan_written_rank_by_rank_is_still_read():
+    # A saved controller state from before the runs (a failover resumes from it).
+    assert Plan.from_dict({"action": "resume", "members": [0, 2], "receivers": [2]}) == Plan(
+        action=PlanAction.RESUME, members=[0, 2], receivers=[2])
+
+
+def test_a_malformed_run_names_the_field():
+    with pytest.raises(ValueError, match="Plan.members_runs"):
+        Plan.from_dict({"action": "resume", "members_runs": [[4, 2]]})

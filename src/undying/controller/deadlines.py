@@ -30,6 +30,9 @@ AGENT_QUIET_SLACK = 2.0
 HEARTBEAT_LOG_EVERY = 0.5
 # The longest an agent's poll or a worker's check-in is held open.
 LONGEST_HOLD = 30.0
+# How often the controller's loop hands the job machine the time, news or not: every deadline
+# above is checked at this resolution (an observation with news is acted on at once).
+TICK = 0.05
 
 
 @dataclass(frozen=True)
