@@ -34,6 +34,9 @@ BASE = ["--nnodes", "2", "--nproc-per-node", "2", "--monitor-interval", "0.5", "
         "--set", "heartbeat_interval=0.5", "--set", "heartbeat_timeout=3", "--quiet"]
 PROCESS = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
            "--recover-strategy", "retry,recover-in-place,recover,dump"]
+# A sharded job refuses dump and elastic training (docs/sharding.md).
+SHARDED = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
+           "--recover-strategy", "retry,recover-in-place,recover"]
 SCENARIOS: dict[str, list[str]] = {
     "fault-free": [],
     "fault-free, warm standby off": ["--set", "warm_standby=false"],
@@ -51,15 +54,25 @@ SCENARIOS: dict[str, list[str]] = {
                                                     "--inject", f"node:node=1:step={FAULT_STEP}"],
     "dump, SIGKILL worker": ["--set", "process_recover=true", "--recover-strategy", "dump",
                              "--inject", f"kill:rank=1:step={FAULT_STEP}"],
+    # The same model sharded with FSDP2 over a 2 x 2 HSDP mesh (after "--": the script's arguments).
+    "HSDP 2x2, fault-free": ["--", "--mesh", "2x2"],
+    "HSDP 2x2, recover-in-place, SIGKILL worker, warm standby": [*SHARDED, "--inject", f"kill:rank=1:step={FAULT_STEP}",
+                                                                "--", "--mesh", "2x2"],
+    "HSDP 2x2, recover, SIGKILL node, onto a standby agent": [*SHARDED, "--standby", "1",
+                                                              "--inject", f"node:node=1:step={FAULT_STEP}",
+                                                              "--", "--mesh", "2x2"],
 }
 
 
 def measure_undying(extra: list[str]) -> dict:
+    """One run of the scenario ``extra``: undying's arguments, then after ``--`` the script's."""
+    split = extra.index("--") if "--" in extra else len(extra)
+    options, script_args = extra[:split], extra[split + 1:]
     with tempfile.TemporaryDirectory(prefix="undying-bench-") as tmp:
         run_dir = Path(tmp) / "run"
         started = time.time()
-        command = [sys.executable, "-m", "undying.cli", "run", *BASE, *extra, "--run-dir", str(run_dir),
-                   str(REPO / "examples" / "gpt" / "train.py"), "--steps", str(STEPS)]
+        command = [sys.executable, "-m", "undying.cli", "run", *BASE, *options, "--run-dir", str(run_dir),
+                   str(REPO / "examples" / "gpt" / "train.py"), "--steps", str(STEPS), *script_args]
         result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
         wall = time.time() - started
         events = read_events(run_dir)

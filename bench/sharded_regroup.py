@@ -48,19 +48,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from undying.runtime.mesh import forward_collectives  # the methods FSDP2/HSDP/DTensor call on a group
+
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 4
 REPLICATE, SHARD = 2, 2  # mesh [[0, 1], [2, 3]]: rows are replicas, columns are shard indices
 ABORT_POLL_S = 0.05
 BUILD_TIMEOUT = datetime.timedelta(seconds=120)  # a group's rendezvous waits for a cold newcomer
 
-# The ProcessGroup methods a Python group must provide for FSDP2/HSDP and DTensor: each is forwarded
-# to the current generation's stock group. Calls are counted per method (question 3).
-FORWARDED = ("all_gather_single", "_allgather_base", "allgather", "allgather_into_tensor_coalesced",
-             "all_gather_single_coalesced", "reduce_scatter_single", "_reduce_scatter_base",
-             "reduce_scatter", "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced",
-             "allreduce", "allreduce_coalesced", "broadcast", "barrier", "alltoall_base",
-             "all_to_all_single", "send", "recv")
 
 
 class CollectiveError(RuntimeError):
@@ -178,15 +173,7 @@ class SwappableGroup(dist.ProcessGroup):
         return BoundedWork(getattr(self.current, op)(*args), self, op)
 
 
-def _forwarder(op: str) -> Callable[..., dist.Work]:
-    def forward(self: SwappableGroup, *args: Any) -> dist.Work:
-        return self._forward(op, *args)
-    forward.__name__ = op
-    return forward
-
-
-for _op in FORWARDED:
-    setattr(SwappableGroup, _op, _forwarder(_op))
+forward_collectives(SwappableGroup)
 
 
 # ---------------------------------------------------------------- worker side

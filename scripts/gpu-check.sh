@@ -10,6 +10,9 @@
 #                       process survives NCCL's watchdog, and a next-generation group works
 #   nccl-stuck-abort    the same with a receive nobody sends (a collective stuck inside NCCL)
 #   snapshot            a CUDA T1 snapshot whose update is still queued on the GPU: the copy sees it
+#   adam-placement      an AdamW repaired (send/recv_state), restored from a host state (T2 broadcast) and
+#                       from host memory (T1 copy_into): its step counters on the CPU, moments on the GPU
+#                       (capturable: all on the GPU), and its next step equal to the source's
 #   bench-checkpoint    bench/checkpoint.py --device cuda at its smallest size (tiny)
 #   job-ref-1, job-ref-2, job-kill   1-rank CUDA jobs of examples/gpt (backend nccl, 30 steps): the two
 #                       fault-free runs, the run killed at step 15 (restored from T1, node memory) and
@@ -115,7 +118,7 @@ job() {  # job NAME [--inject SPEC]: a 30-step 1-rank run of the example; its di
 
 echo "gpu-check: results in $RESULTS (backend $BACKEND)"
 check preflight 120 "$PYTHON" scripts/gpu_check.py preflight $CPU_FLAG
-for name in nccl-wait nccl-timeout-abort nccl-stuck-abort snapshot; do
+for name in nccl-wait nccl-timeout-abort nccl-stuck-abort snapshot adam-placement; do
     check "$name" 60 "$PYTHON" scripts/gpu_check.py "$name" $CPU_FLAG
 done
 

@@ -2,19 +2,23 @@
 
 Runs standalone (no job, no agent), one check per invocation, from the repository root with
 ``PYTHONPATH=src``; prints one ``RESULT <check> PASS|FAIL <detail>`` line and exits 0 on PASS.
-``--cpu`` runs what has a CPU meaning (the snapshot round trip) and skips the NCCL checks.
+``--cpu`` runs what has a CPU meaning (the snapshot round trip, the optimizer state's placement)
+and skips the NCCL checks.
 
-    python scripts/gpu_check.py preflight|nccl-wait|nccl-timeout-abort|nccl-stuck-abort|snapshot [--cpu]
+    python scripts/gpu_check.py preflight|nccl-wait|nccl-timeout-abort|nccl-stuck-abort|snapshot|adam-placement [--cpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -143,16 +147,142 @@ def snapshot(cpu: bool) -> int:
         snapshots.close()
 
 
+class LoopbackGroup:
+    """Ranks of this process as threads, for runtime/state_transfer.py: send, recv and broadcast
+    through queues. NCCL refuses two ranks on one GPU, and what is checked is where the received
+    tensors land, which the backend does not decide."""
+
+    def __init__(self, rank: int, world_size: int, channels: dict[tuple[int, int, int], queue.Queue],
+                 lock: threading.Lock) -> None:
+        self.rank, self.world_size, self._channels, self._lock = rank, world_size, channels, lock
+
+    def _channel(self, src: int, dst: int, tag: int) -> queue.Queue:
+        with self._lock:
+            return self._channels.setdefault((src, dst, tag), queue.Queue())
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self._channel(self.rank, dst, tag).put(tensor.clone())
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        tensor.copy_(self._channel(src, self.rank, tag).get(timeout=60))
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        if self.rank == root:
+            for rank in range(self.world_size):
+                if rank != root:
+                    self.send(tensor, rank, -1)
+        else:
+            self.recv(tensor, root, -1)
+
+
+def two_ranks(body: Any) -> list[Any]:
+    """``body(group)`` on two LoopbackGroup ranks (threads); their results in rank order."""
+    channels: dict[tuple[int, int, int], queue.Queue] = {}
+    lock = threading.Lock()
+    results: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def rank(index: int) -> None:
+        try:
+            results[index] = body(LoopbackGroup(index, 2, channels, lock))
+        except BaseException as error:  # noqa: BLE001 - re-raised by the caller's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def trained_adamw(dev: torch.device, seed: int, capturable: bool, steps: int
+                  ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(dev)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=capturable)
+    for _ in range(steps):
+        model(torch.ones(4, 64, device=dev)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def adam_placement_case(dev: torch.device, capturable: bool) -> tuple[bool, list[str]]:
+    """One AdamW (capturable or not) through the three paths; whether all passed, and how each went."""
+    from undying.checkpoint.state_tree import copy_into
+    from undying.runtime.state_transfer import broadcast_state, recv_state, send_state
+
+    step_device = dev if capturable else torch.device("cpu")
+    source_model, source_optimizer = trained_adamw(dev, 0, capturable, 2)
+    sent = {"models": [source_model.state_dict()], "optimizers": [source_optimizer.state_dict()]}
+    # As a storage load leaves it: every tensor in host memory.
+    on_host = {"models": [{key: value.cpu() for key, value in sent["models"][0].items()}],
+               "optimizers": [{"state": {index: {key: value.cpu() for key, value in entry.items()}
+                                         for index, entry in sent["optimizers"][0]["state"].items()},
+                               "param_groups": sent["optimizers"][0]["param_groups"]}]}
+    receivers = {path: trained_adamw(dev, seed, capturable, 0)
+                 for seed, path in enumerate(("repair", "t2-restore", "t1-restore"), start=1)}
+    live = {path: {"models": [model.state_dict()], "optimizers": [optimizer.state_dict()]}
+            for path, (model, optimizer) in receivers.items()}
+
+    def repair(group: Any) -> Any:
+        if group.rank == 0:
+            return send_state(group, sent, [1], dev)
+        return recv_state(group, 0, dev, live=live["repair"])
+
+    def restore(group: Any) -> Any:
+        return broadcast_state(group, on_host if group.rank == 0 else None, 0, dev,
+                               live=live["t2-restore"] if group.rank else None)
+
+    received = {"repair": two_ranks(repair)[1], "t2-restore": two_ranks(restore)[1],
+                "t1-restore": copy_into(on_host, live["t1-restore"])}
+    model_input = torch.ones(4, 64, device=dev)
+    source_model(model_input).sum().backward()
+    source_optimizer.step()
+    passed, details = True, []
+    for path, (model, optimizer) in receivers.items():
+        model.load_state_dict(received[path]["models"][0])
+        optimizer.load_state_dict(received[path]["optimizers"][0])
+        entries = list(optimizer.state.values())
+        placed = bool(entries) and all(entry["step"].device.type == step_device.type
+                                       and entry["exp_avg"].device.type == dev.type
+                                       and entry["exp_avg_sq"].device.type == dev.type for entry in entries)
+        model(model_input).sum().backward()
+        optimizer.step()
+        same = all(torch.equal(a, b) for a, b in zip(source_model.parameters(), model.parameters(), strict=True))
+        passed = passed and placed and same
+        details.append(f"{path}{'-capturable' if capturable else ''}:placed={placed},next_step_equal={same}")
+    return passed, details
+
+
+def adam_placement(cpu: bool) -> int:
+    """After a repair (send_state/recv_state), a T2 restore (broadcast_state of a host state) and a T1
+    restore (copy_into from host memory), each loaded with the optimizer's own load_state_dict: an
+    AdamW's ``step`` counters on the host and its moments on the GPU, as torch's AdamW keeps them
+    (a capturable one, GPU only: everything on the GPU), and the next step equal to the source's."""
+    dev = torch.device("cpu") if cpu else device()
+    passed, details = adam_placement_case(dev, capturable=False)
+    if not cpu:
+        passed_capturable, details_capturable = adam_placement_case(dev, capturable=True)
+        passed, details = passed and passed_capturable, details + details_capturable
+    return result("adam-placement", passed, f"device={dev} " + " ".join(details))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("check", choices=["preflight", "nccl-wait", "nccl-timeout-abort", "nccl-stuck-abort",
-                                          "snapshot"])
+                                          "snapshot", "adam-placement"])
     parser.add_argument("--cpu", action="store_true", help="no GPU: run the CPU meaning of the check, if any")
     args = parser.parse_args()
     if args.check == "preflight":
         return preflight(args.cpu)
     if args.check == "snapshot":
         return snapshot(args.cpu)
+    if args.check == "adam-placement":
+        return adam_placement(args.cpu)
     if args.cpu:
         print(f"RESULT {args.check} SKIP needs a GPU and NCCL", flush=True)
         return 0

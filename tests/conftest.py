@@ -165,12 +165,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def etcd_server(tmp_path_factory: pytest.TempPathFactory):
-    """A single-member etcd on loopback for controller-failover tests (Debian's etcd-server)."""
+def etcd_binary() -> str:
+    """The etcd binary; a test that needs it is skipped without it (an error where
+    UNDYING_REQUIRE_ETCD=1, as in CI)."""
     import shutil
-
-    from undying.etcd import EtcdClient, EtcdUnavailable
 
     binary = shutil.which("etcd")
     if binary is None:
@@ -178,6 +176,16 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory):
         if os.environ.get("UNDYING_REQUIRE_ETCD") == "1":
             raise AssertionError(message)
         pytest.skip(message)
+    return binary
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory):
+    """A single-member etcd on loopback for controller-failover tests (Debian's etcd-server)."""
+
+    from undying.etcd import EtcdClient, EtcdUnavailable
+
+    binary = etcd_binary()
     data = tmp_path_factory.mktemp("etcd")
     client_port, peer_port = free_port(), free_port()
     endpoint = f"127.0.0.1:{client_port}"

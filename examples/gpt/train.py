@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0,
                         help="seconds to sleep in each step: stretches a run (tests) without changing its numbers")
     parser.add_argument("--final-state", default=None, help="rank 0 saves the final parameters here (tests)")
+    parser.add_argument("--mesh", default=None, metavar="RxS",
+                        help="shard the model with FSDP2 over a (replicate R, shard S) mesh, e.g. 2x2 (HSDP)")
     args = parser.parse_args()
 
     # One thread by default: bitwise-repeatable CPU kernels, and 4 ranks fit on 2 cores.
@@ -55,7 +57,7 @@ def main() -> None:
         n_embd=args.n_embd,
         dropout=args.dropout,
     )
-    model = ft.wrap_model(GPT(config).to(ft.device))
+    model = ft.wrap_model(sharded(GPT(config).to(ft.device), ft, args.mesh) if args.mesh else GPT(config).to(ft.device))
     opt = ft.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
     loader = ft.dataloader(dataset, batch_size=args.batch_size, seed=args.seed)
 
@@ -77,9 +79,29 @@ def main() -> None:
         if ft.is_main and step % args.log_every == 0:
             print(f"step {step:5d} | loss {last_loss:.4f}", flush=True)
 
-    if args.final_state and ft.is_main:
-        torch.save(model.module.state_dict(), args.final_state)
+    if args.final_state:
+        final = full_state(model.module)  # every rank: gathering a sharded model is a collective
+        if ft.is_main:
+            torch.save(final, args.final_state)
     ft.finish(result={"final_loss": last_loss, "param_sha256": undying.param_sha256(model.module)})
+
+
+def sharded(model: torch.nn.Module, ft: undying.Runtime, mesh_shape: str) -> torch.nn.Module:
+    """``model`` sharded with FSDP2: each transformer block, then the whole model, over undying's mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    replicate, shard = (int(part) for part in mesh_shape.lower().split("x"))
+    mesh = ft.device_mesh(replicate=replicate, shard=shard)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state_dict with sharded tensors gathered whole."""
+    return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in module.state_dict().items()}
 
 
 if __name__ == "__main__":

@@ -66,6 +66,8 @@ STORE_MOVED = "store_moved"  # a worker switched to the new controller's store (
 # A restore from a checkpoint written under other numerics (device model, versions, deterministic mode):
 # recorded and current records, the keys that differ, the ranks whose record differs. Training goes on.
 NUMERICS_CHANGED = "numerics_changed"
+# A replacement rank of a sharded job received its shard of the models and optimizers (from: the donor rank).
+SHARD_RECEIVED = "shard_received"
 
 
 @dataclass

@@ -11,11 +11,14 @@ def param_sha256(module: torch.nn.Module) -> str:
     """SHA-256 over every parameter and buffer of ``module`` in ``state_dict`` order.
 
     Two models have the same digest only if every value is bitwise equal; this is
-    how tests prove a recovered run ends where a fault-free run ends.
+    how tests prove a recovered run ends where a fault-free run ends. A sharded model's (FSDP2)
+    parameters are gathered whole first: a collective, so every rank of the mesh must call this.
     """
     digest = hashlib.sha256()
     for name, tensor in module.state_dict().items():
         digest.update(name.encode())
+        if hasattr(tensor, "full_tensor"):  # a DTensor
+            tensor = tensor.full_tensor()
         data = tensor.detach().to("cpu").contiguous()
         digest.update(str(data.dtype).encode())
         digest.update(str(tuple(data.shape)).encode())

@@ -8,7 +8,6 @@ test_controller_failover.py is the same job on loopback. Skipped where namespace
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from tests.conftest import (
     REPO,
     STEPS,
     JobRun,
+    etcd_binary,
     run_job,
     undying_command,
     wait_no_processes,
@@ -73,12 +73,7 @@ def dropout_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
 def network(tmp_path: Path):
     """The nodes' hosts and etcd's, etcd serving on its host's address; closing the network kills
     everything that ran in it, etcd included."""
-    binary = shutil.which("etcd")
-    if binary is None:
-        message = "etcd is not installed (scripts/ensure-etcd.sh installs Debian's etcd-server where it can)"
-        if os.environ.get("UNDYING_REQUIRE_ETCD") == "1":
-            raise AssertionError(message)
-        pytest.skip(message)
+    binary = etcd_binary()
     try:
         made = Network(hosts=NODES + 1)
     except NetnsUnavailable as error:

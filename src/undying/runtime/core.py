@@ -38,6 +38,7 @@ from undying.runtime.pg import reapers_alive
 from undying.runtime.recovery_client import RecoveryClient
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng_mirror import MIRROR_TIMEOUT_S, RngMirror
+from undying.runtime.sharded import ShardedModel, is_sharded, make_mesh, wrap_sharded
 from undying.runtime.snapshots import CheckpointEngine, checkpoint_root
 from undying.runtime.step_transaction import StepTransaction
 from undying.runtime.training_state import Stateful, TrainingState
@@ -147,7 +148,7 @@ class Runtime:
         return self.state.committed_step
 
     @property
-    def models(self) -> list[FixedLayoutDDP]:
+    def models(self) -> list[FixedLayoutDDP | ShardedModel]:
         return self.state.models
 
     @property
@@ -158,10 +159,29 @@ class Runtime:
     def loaders(self) -> list[ResumableLoader]:
         return self.state.loaders
 
-    def wrap_model(self, model: torch.nn.Module) -> FixedLayoutDDP:
+    def device_mesh(self, replicate: int = 1, shard: int | None = None) -> Any:
+        """A torch ``DeviceMesh`` of shape (replicate, shard), dims ``("replicate", "shard")``, over the
+        job's ranks, for FSDP2 (``replicate=1``) or HSDP: pass it to ``fully_shard``, then the model to
+        ``wrap_model``. Its process groups belong to the current generation: rebuilt at each recovery,
+        bounded by ``comm_timeout``, aborted with it (runtime/mesh.py). Call it once, before wrapping."""
+        if self.membership.mesh is not None or self.state.models:
+            raise ValueError("ft.device_mesh: call it once, before ft.wrap_model")
+        mesh = make_mesh(self.rank, self.world_size, replicate, shard, list(self.spec.recover_strategy),
+                         self.backend, self.device)
+        self.membership.attach_mesh(mesh)
+        self.state.sharded = True
+        if self.joining and self.membership.group is None:
+            self.recovery.join_early()
+        return mesh.device_mesh
+
+    def wrap_model(self, model: torch.nn.Module) -> FixedLayoutDDP | ShardedModel:
         wrapped_already = [wrapped.module for wrapped in self.state.models]
         if any(model is module or getattr(model, "_orig_mod", None) is module for module in wrapped_already):
             raise ValueError(f"ft.wrap_model: this {type(model).__name__} is already wrapped; wrap each model once")
+        if self.state.sharded or is_sharded(model):
+            sharded = wrap_sharded(model, self.membership.mesh, self.joining)
+            self.state.models.append(sharded)
+            return sharded
         # A replacement rank gets its parameters in the repair step, not by a broadcast
         # the live ranks would not take part in.
         wrapped = FixedLayoutDDP(model.to(self.device), self.membership.current_group, self.device,

@@ -17,6 +17,7 @@ from undying.protocol import Plan
 from undying.runtime.bounded_store import BoundedStore, connect_bounded
 from undying.runtime.default_group import DefaultGroup
 from undying.runtime.gloo_interface import choose_gloo_interface
+from undying.runtime.mesh import SwappableMesh
 from undying.runtime.pg import GenerationGroup, connect_store
 from undying.runtime.reporter import Reporter
 from undying.worker_env import WorkerEnv
@@ -45,7 +46,9 @@ class Membership:
         # after an elastic shrink (a job restarted at that size starts with them).
         self.members: list[int] = list(env.members) or list(range(self.world_size))
         self.group: GenerationGroup | None = None
+        self._group_store: dist.Store = self.store  # the current generation's connection to the store
         self.default_group: DefaultGroup | None = None  # torch.distributed's default group, same members
+        self.mesh: SwappableMesh | None = None  # a sharded job's device mesh (ft.device_mesh), rebuilt with the group
 
     @property
     def group_rank(self) -> int:
@@ -75,14 +78,25 @@ class Membership:
         # its calls, and an abandoned generation's rendezvous may still block in one.
         store = self.store if self.store_address is None else connect_store(*self.store_address,
                                                                               self._spec.start_timeout)
+        self._group_store = store
         deadline = None if self._spec.watchdog == "off" else self._spec.comm_timeout
         self.group = GenerationGroup(store, self.store_prefix, self.generation, self.group_rank, self.replicas,
                                      self.backend, deadline, self.device, should_abort=self.aborted,
                                      join_timeout=self._spec.start_timeout)
         self.default_group = DefaultGroup(self.group, self.aborted)
+        if self.mesh is not None:
+            self.mesh.enter(self.group, store, self.store_prefix, self.aborted, self._spec.start_timeout)
         return self.group
 
+    def attach_mesh(self, mesh: SwappableMesh) -> None:
+        """From now on build ``mesh``'s groups with every generation's, starting with the current one."""
+        self.mesh = mesh
+        if self.group is not None:
+            mesh.enter(self.group, self._group_store, self.store_prefix, self.aborted, self._spec.start_timeout)
+
     def leave_group(self) -> None:
+        if self.mesh is not None:
+            self.mesh.leave()  # first: a sharded model's pending collectives stop waiting
         if self.default_group is not None:
             self.default_group.drop()
             self.default_group = None
@@ -93,6 +107,8 @@ class Membership:
     def close(self) -> None:
         """End of training: destroy torch's default group the ordinary way, and shut the training
         group's communicators down (NCCL), every rank being done with both."""
+        if self.mesh is not None:
+            self.mesh.close()
         if self.default_group is not None:
             self.default_group.destroy()
             self.default_group = None

@@ -26,6 +26,7 @@ from undying.runtime.pg import CollectiveError
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng import restore_rng
 from undying.runtime.rng_mirror import MIRROR_TIMEOUT_S, RngMirror
+from undying.runtime.sharded import shard_donors
 from undying.runtime.snapshots import rank_state_file
 from undying.runtime.state_transfer import recv_state, send_state
 from undying.runtime.training_state import TrainingState
@@ -55,6 +56,7 @@ class RecoveryClient:
         self.rng_mirror = rng_mirror
         self.injections = injections
         self.checkpoints = checkpoints
+        self._joined: tuple[Plan, float] | None = None  # a plan whose group join_early built already
 
     def recover(self, reason: str) -> None:
         """Leave the failed step, follow the controller's plan, and return at a committed step."""
@@ -64,22 +66,12 @@ class RecoveryClient:
         if self.state.holds_state:
             self.reporter.emit(ev.STEP_FAILED, step=self.state.committed_step, reason=reason)
         while True:
-            self.membership.leave_group()
-            plan = self.reporter.wait_for_plan(self.membership.generation, self.state.committed_step, reason,
-                                               newcomer=not self.state.holds_state)
-            planned = time.monotonic()
-            if plan.action == PlanAction.DUMP:
-                self.injections.at_point(DUMP, plan.target_step)
-                self._dump(plan)
-            if plan.action != PlanAction.RESUME:
-                self._park()
-            if plan.store:
-                self._follow_store(plan.store)
-            self.membership.enter(plan)
-            self.state.apply_members(self.membership, self.spec.elastic_batch)
+            joined, self._joined = self._joined, None
+            plan, planned = joined or self._follow_next_plan(reason)
             try:
-                self.injections.at_point(RECOVERY, plan.target_step)
-                self.membership.build_group()
+                if joined is None:
+                    self.injections.at_point(RECOVERY, plan.target_step)
+                    self.membership.build_group()
                 rebuilt = time.monotonic()
                 self._repair(plan)
                 break
@@ -91,6 +83,39 @@ class RecoveryClient:
                            source_rank=plan.source_rank, received=self.membership.rank in plan.receivers,
                            wait_for_plan=round(planned - started, 4), rebuild=round(rebuilt - planned, 4),
                            repair=round(time.monotonic() - rebuilt, 4), total=round(time.monotonic() - started, 4))
+
+    def join_early(self) -> None:
+        """A replacement rank of a sharded job: join the plan's generation (its groups, torch's default
+        group among them) before the script builds its model, since FSDP2 places a model on the mesh
+        through torch's default group. ``recover`` then only repairs. If the groups cannot be built,
+        ``recover`` follows the next plan as usual."""
+        plan, planned = self._follow_next_plan("joining as a replacement rank")
+        try:
+            self.injections.at_point(RECOVERY, plan.target_step)
+            self.membership.build_group()
+        except CollectiveError as error:
+            self.reporter.emit(ev.STEP_FAILED, step=self.state.committed_step,
+                               reason=f"recovery of generation {plan.generation} failed: {error}")
+            return
+        self._joined = (plan, planned)
+
+    def _follow_next_plan(self, reason: str) -> tuple[Plan, float]:
+        """Leave the current group, wait for the controller's next plan and enter its generation (after
+        a dump, or for a plan that gives this process no part, park). Returns it and when it came."""
+        self.membership.leave_group()
+        plan = self.reporter.wait_for_plan(self.membership.generation, self.state.committed_step, reason,
+                                           newcomer=not self.state.holds_state)
+        planned = time.monotonic()
+        if plan.action == PlanAction.DUMP:
+            self.injections.at_point(DUMP, plan.target_step)
+            self._dump(plan)
+        if plan.action != PlanAction.RESUME:
+            self._park()
+        if plan.store:
+            self._follow_store(plan.store)
+        self.membership.enter(plan)
+        self.state.apply_members(self.membership, self.spec.elastic_batch)
+        return plan, planned
 
     def _park(self) -> None:
         """Nothing left for this process to do: the controller stops it (job restart or exit)."""
@@ -112,21 +137,48 @@ class RecoveryClient:
         as a receiver, else by rolling back its own step in flight."""
         membership, state = self.membership, self.state
         group = membership.current_group()
+        state.forget_failed_step()
         if membership.rank == plan.source_rank:
             send_state(group, state.replica_state(), [membership.members.index(receiver)
                                                       for receiver in plan.receivers], membership.device)
         if membership.rank in plan.receivers:
-            received = recv_state(group, membership.members.index(plan.source_rank), membership.device)
+            # Into this rank's own tensors where it has them (its model's parameters): no second copy.
+            received = recv_state(group, membership.members.index(plan.source_rank), membership.device,
+                                  live=state.replica_state())
             state.load_replica_state(received)
+        if state.sharded:
+            self._repair_shards(plan)
+        if membership.rank in plan.receivers:
             state.holds_state = True
             rng = self.rng_mirror.read(plan.target_step, fallbacks=plan.rng_stores)
         else:
             rng = state.roll_back_step_in_flight()
         if rng:
             restore_rng(rng)
-        state.zero_grad()
         state.committed_step = plan.target_step
         self.rng_mirror.write_rng(state.committed_step, state.mark_commit_boundary())
+
+    def _repair_shards(self, plan: Plan) -> None:
+        """A sharded job: each receiver gets its shard of the models and optimizers from a rank that
+        holds the same shard in another replica (runtime/sharded.py ``shard_donors``), after the
+        replica state every rank shares."""
+        membership, state = self.membership, self.state
+        if not plan.receivers:
+            return
+        assert membership.mesh is not None, "a sharded job's membership has its mesh"
+        donors = shard_donors(membership.mesh, list(plan.receivers), membership.members)
+        group = membership.current_group()
+        mine = [receiver for receiver, donor in donors.items() if donor == membership.rank]
+        if mine:
+            send_state(group, state.shard_state(), [membership.members.index(receiver) for receiver in mine],
+                       membership.device)
+        if membership.rank in donors:
+            started = time.monotonic()
+            state.load_shard_state(recv_state(group, membership.members.index(donors[membership.rank]),
+                                              membership.device, live=state.shard_state()))
+            self.reporter.emit(ev.SHARD_RECEIVED, step=plan.target_step, source="replica",
+                               donor=donors[membership.rank], shard=membership.rank % membership.mesh.shard,
+                               seconds=round(time.monotonic() - started, 4))
 
     def _dump(self, plan: Plan) -> None:
         """The dying checkpoint: the chosen replica writes the committed state; everyone else waits."""

@@ -252,6 +252,8 @@ class CheckpointEngine:
 
     def param_names(self) -> list[list[str]]:
         """For each optimizer, the FQN of each parameter in its state_dict order (the DCP keys)."""
+        if self.state.sharded:
+            return []  # a sharded job's models and optimizers are in the rank files, not the shared shard
         if self._param_names is None:
             modules = [model.module for model in self.state.models]
             self._param_names = [optimizer_param_names(optimizer, modules) for optimizer in self.state.optimizers]
@@ -305,7 +307,8 @@ class CheckpointEngine:
             details: dict[str, Any] = {"path": None if self.directory is None else str(self.directory),
                                        "dump": False}
         elif source == SOURCE_STORAGE:
-            training.load_replica_state(broadcast_state(group, loaded, 0, membership.device))
+            training.load_replica_state(broadcast_state(group, loaded, 0, membership.device,
+                                                        live=training.replica_state()))
             checkpoint = next(c for c in list_committed(self.root) if c.step == step)
             if reports:
                 self._report_numerics(checkpoint, [each["numerics"] for each in reports])

@@ -2,41 +2,70 @@
 
 Runs in the worker. A state (nested dicts/lists with tensors: what ``TrainingState.replica_state``
 returns) travels as a small pickled skeleton (the structure, every non-tensor value, each
-tensor's dtype and shape) followed by the tensors packed by dtype into a few buckets, each one
-message with the backend's own send or broadcast: no serialization of tensor data, and with NCCL
-the tensors stay on the device. ``broadcast_state`` carries a T2 restore from rank 0 to all;
-``send_state``/``recv_state`` carry a repair from the source replica to the replacement ranks only.
+tensor's dtype, shape and whether it lived in host memory) followed by the tensors packed by dtype
+into buckets of at most BUCKET_BYTES, each one message with the backend's own send or broadcast: no
+serialization of tensor data, and with NCCL the tensors travel on the device. ``broadcast_state``
+carries a T2 restore from rank 0 to all; ``send_state``/``recv_state`` carry a repair from the
+source replica to the replacement ranks only.
+
+Guarantees: the transfer streams, one bucket at a time at both ends (packed, sent to every
+receiver and freed at the source; received and unpacked into its tensors before the next), so
+its extra memory is about one bucket besides the state itself (a receiver given ``live`` tensors
+copies into them and allocates only the bucket); a tensor that lived on the host at the source
+lands on the host, every other on ``device`` (``placement``). Not guaranteed: a receiver's
+``live`` tensors hold anything meaningful if the transfer fails half-way.
 """
 
 from __future__ import annotations
 
 import math
 import pickle
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-from undying.checkpoint.state_tree import flatten_state, unflatten_state
+from undying.checkpoint.state_tree import TensorRef, flatten_state, unflatten_state
 from undying.runtime.pg import GenerationGroup
 
 SIZE_TAG = 0  # point-to-point tags: the skeleton's length, the skeleton, then one per bucket
 SKELETON_TAG = 1
 FIRST_BUCKET_TAG = 2
 # Tensors travel packed into buckets of one dtype, each one message: a message per tensor costs a
-# round trip each (a few ms with gloo), which for an optimizer's hundreds of tensors was most of a repair.
+# round trip each (a few ms with gloo), which for an optimizer's hundreds of tensors was most of a
+# repair. The cap is also the transfer's extra memory at each end: one bucket in flight at a time.
 BUCKET_BYTES = 64 << 20
 
-Layout = list[tuple[torch.dtype, tuple[int, ...]]]
+
+class TensorMeta(NamedTuple):
+    """What a receiver needs to rebuild one tensor of the state."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    # It lived in host memory at the source, so the receiver keeps it there (see ``placement``).
+    on_host: bool
+
+
+Layout = list[TensorMeta]
 # A bucket: a dtype and the indices (in skeleton order) of the tensors packed into it.
 Bucket = tuple[torch.dtype, list[int]]
 
 
-def buckets_of(layout: Layout) -> list[Bucket]:
-    """Consecutive tensors of one dtype, up to BUCKET_BYTES each (a larger tensor is a bucket alone)."""
+def placement(on_host: bool, device: torch.device | str) -> torch.device:
+    """Where a receiver puts a tensor it holds no live counterpart for: in host memory if it lived
+    there at the source, else on ``device``. Torch's Adam and AdamW keep each parameter's ``step``
+    counter as a host scalar unless the group is ``capturable`` or ``fused``, and their
+    ``load_state_dict`` leaves a plain group's ``step`` wherever it is given: one put on the GPU
+    would cost every later step a device sync. The source's own placement is the optimizer's."""
+    return torch.device("cpu") if on_host else torch.device(device)
+
+
+def buckets_of(layout: Sequence[tuple[Any, ...]]) -> list[Bucket]:
+    """Consecutive tensors of one dtype, up to BUCKET_BYTES each (a larger tensor is a bucket alone).
+    Each entry of ``layout`` starts with a tensor's dtype and shape (a ``TensorMeta``)."""
     buckets: list[Bucket] = []
     size = 0
-    for index, (dtype, shape) in enumerate(layout):
+    for index, (dtype, shape, *_) in enumerate(layout):
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if buckets and buckets[-1][0] == dtype and size + nbytes <= BUCKET_BYTES:
             buckets[-1][1].append(index)
@@ -47,11 +76,16 @@ def buckets_of(layout: Layout) -> list[Bucket]:
     return buckets
 
 
-def encode(state: Any) -> tuple[Any, list[torch.Tensor], bytes]:
-    """``state`` as (skeleton, its tensors in skeleton order, the skeleton and layout as bytes)."""
+def layout_of(tensors: Sequence[torch.Tensor]) -> Layout:
+    return [TensorMeta(tensor.dtype, tuple(tensor.shape), tensor.device.type == "cpu") for tensor in tensors]
+
+
+def encode(state: Any) -> tuple[Any, list[torch.Tensor], Layout, bytes]:
+    """``state`` as (skeleton, its tensors in skeleton order, their layout, the skeleton and layout
+    as bytes)."""
     skeleton, tensors = flatten_state(state)
-    layout: Layout = [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
-    return skeleton, tensors, pickle.dumps((skeleton, layout), protocol=pickle.HIGHEST_PROTOCOL)
+    layout = layout_of(tensors)
+    return skeleton, tensors, layout, pickle.dumps((skeleton, layout), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _decode(payload: torch.Tensor) -> tuple[Any, Layout]:
@@ -63,84 +97,151 @@ def _as_bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
-def _packed(tensors: Sequence[torch.Tensor], buckets: list[Bucket], device: torch.device) -> list[torch.Tensor]:
-    """Each bucket's tensors, flattened and concatenated on ``device``."""
-    return [torch.cat([tensors[index].detach().reshape(-1).to(device) for index in indices])
-            for _, indices in buckets]
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    return tensor.device.type == device.type and (device.index is None or tensor.device.index == device.index)
 
 
-def _empty_buckets(layout: Layout, buckets: list[Bucket], device: torch.device) -> list[torch.Tensor]:
-    return [torch.empty(sum(math.prod(layout[index][1]) for index in indices), dtype=dtype, device=device)
-            for dtype, indices in buckets]
+def _numel(layout: Layout, indices: list[int]) -> int:
+    return sum(math.prod(layout[index].shape) for index in indices)
 
 
-def _unpacked(packed: list[torch.Tensor], layout: Layout, buckets: list[Bucket]) -> list[torch.Tensor]:
-    """The tensors back out of their buckets, each its own (cloned) storage, in skeleton order."""
-    tensors: list[torch.Tensor | None] = [None] * len(layout)
-    for bucket, (_, indices) in zip(packed, buckets, strict=True):
-        offset = 0
-        for index in indices:
-            shape = layout[index][1]
-            numel = math.prod(shape)
-            tensors[index] = bucket[offset:offset + numel].view(shape).clone()
-            offset += numel
-    return [tensor for tensor in tensors if tensor is not None]
+def _outgoing(tensors: Sequence[torch.Tensor], layout: Layout, bucket: Bucket, device: torch.device) -> torch.Tensor:
+    """One bucket as one flat tensor on ``device``. A lone contiguous tensor already there travels
+    as itself (a tensor over BUCKET_BYTES costs no copy); others are copied into a fresh buffer,
+    each straight into its slice (no temporary for a strided or host tensor)."""
+    dtype, indices = bucket
+    if len(indices) == 1:
+        tensor = tensors[indices[0]]
+        if _on(tensor, device) and tensor.is_contiguous():
+            return tensor.detach().reshape(-1)
+    packed = torch.empty(_numel(layout, indices), dtype=dtype, device=device)
+    offset = 0
+    for index in indices:
+        numel = math.prod(layout[index].shape)
+        packed[offset:offset + numel].view(layout[index].shape).copy_(tensors[index].detach())
+        offset += numel
+    return packed
 
 
-def broadcast_state(group: GenerationGroup, state: Any, src: int, device: torch.device) -> Any:
-    """``state`` from group rank ``src`` to every rank of ``group`` (the others pass None)."""
+def _usable(live: torch.Tensor, meta: TensorMeta) -> bool:
+    # A tensor that requires grad (a parameter itself, not its state_dict's detached alias) is not
+    # written in place, as copy_into does not.
+    return (live.dtype == meta.dtype and tuple(live.shape) == meta.shape
+            and not live.requires_grad)
+
+
+def live_counterparts(skeleton: Any, live: Any, count: int) -> list[torch.Tensor | None]:
+    """For each of the ``count`` tensors of ``skeleton``, the tensor at the same place of ``live`` (a
+    state of the same structure: the receiver's own model and optimizer state), or None."""
+    found: list[torch.Tensor | None] = [None] * count
+
+    def walk(node: Any, live_node: Any) -> None:
+        if isinstance(node, TensorRef):
+            if isinstance(live_node, torch.Tensor):
+                found[node.index] = live_node
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                walk(item, live_node.get(key) if isinstance(live_node, dict) else None)
+        elif isinstance(node, (list, tuple)):
+            same_length = isinstance(live_node, (list, tuple)) and len(live_node) == len(node)
+            for index, item in enumerate(node):
+                walk(item, live_node[index] if same_length else None)
+
+    if live is not None:
+        walk(skeleton, live)
+    return found
+
+
+def _receive_bucket(receive: Callable[[torch.Tensor], None], layout: Layout, bucket: Bucket,
+                    live: list[torch.Tensor | None], device: torch.device) -> list[torch.Tensor]:
+    """The bucket's tensors: each its live counterpart where one fits (filled in place), else a new
+    tensor where ``placement`` says. Only the bucket's buffer is extra, and it is freed on return; a
+    lone tensor that can arrive in place (a contiguous live one, or a new one on ``device``) has none."""
+    dtype, indices = bucket
+    numel = _numel(layout, indices)
+    targets = []
+    for index in indices:
+        live_tensor, meta = live[index], layout[index]
+        if live_tensor is not None and _usable(live_tensor, meta):
+            targets.append(live_tensor)
+        else:
+            targets.append(torch.empty(meta.shape, dtype=dtype, device=placement(meta.on_host, device)))
+    if numel == 0:
+        return targets
+    if len(indices) == 1 and _on(targets[0], device) and targets[0].is_contiguous():
+        receive(targets[0].view(-1))
+        return targets
+    packed = torch.empty(numel, dtype=dtype, device=device)
+    receive(packed)
+    offset = 0
+    for index, target in zip(indices, targets, strict=True):
+        size = math.prod(layout[index].shape)
+        target.copy_(packed[offset:offset + size].view(layout[index].shape))
+        offset += size
+    return targets
+
+
+def broadcast_state(group: GenerationGroup, state: Any, src: int, device: torch.device, live: Any = None) -> Any:
+    """``state`` from group rank ``src`` to every rank of ``group`` (the others pass None); the source
+    gets its own tensors back where they are. ``live``: a receiver's state of the same structure,
+    whose matching tensors (same dtype and shape) are filled in place instead of allocated."""
     if group.rank == src:
-        skeleton, tensors, skeleton_bytes = encode(state)
+        skeleton, tensors, layout, skeleton_bytes = encode(state)
         size = torch.tensor([len(skeleton_bytes)], dtype=torch.int64, device=device)
     else:
         size = torch.zeros(1, dtype=torch.int64, device=device)
     group.broadcast(size, src)
     if group.rank == src:
         payload = _as_bytes_tensor(skeleton_bytes, device)
-    else:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        group.broadcast(payload, src)
+        for bucket in buckets_of(layout):
+            outgoing = _outgoing(tensors, layout, bucket, device)
+            if outgoing.numel():
+                group.broadcast(outgoing, src)
+            del outgoing  # before the next is packed: one bucket at a time
+        return unflatten_state(skeleton, tensors)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     group.broadcast(payload, src)
-    skeleton_received, layout = _decode(payload)
-    buckets = buckets_of(layout)
-    if group.rank == src:
-        packed = _packed(tensors, buckets, device)
-    else:
-        skeleton = skeleton_received
-        packed = _empty_buckets(layout, buckets, device)
-    for bucket in packed:
-        if bucket.numel():
-            group.broadcast(bucket, src)
-    if group.rank == src:
-        return unflatten_state(skeleton, [tensor.to(device) for tensor in tensors])
-    return unflatten_state(skeleton, _unpacked(packed, layout, buckets))
+    skeleton, layout = _decode(payload)
+    live_tensors = live_counterparts(skeleton, live, len(layout))
+    received: list[torch.Tensor] = []  # buckets hold consecutive tensors: skeleton order
+    for bucket in buckets_of(layout):
+        received += _receive_bucket(lambda tensor: group.broadcast(tensor, src), layout, bucket, live_tensors, device)
+    return unflatten_state(skeleton, received)
 
 
 def send_state(group: GenerationGroup, state: Any, destinations: Sequence[int], device: torch.device) -> None:
-    """``state`` to each group rank in ``destinations``, one after the other (each calls ``recv_state``)."""
-    _, tensors, skeleton_bytes = encode(state)
-    layout: Layout = [(tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
-    buckets = buckets_of(layout)
+    """``state`` to each group rank in ``destinations`` (each calls ``recv_state``), bucket by bucket:
+    each bucket is packed once, sent to every destination, and freed before the next."""
+    _, tensors, layout, skeleton_bytes = encode(state)
     size = torch.tensor([len(skeleton_bytes)], dtype=torch.int64, device=device)
     payload = _as_bytes_tensor(skeleton_bytes, device)
-    packed = _packed(tensors, buckets, device)
     for destination in destinations:
         group.send(size, destination, SIZE_TAG)
         group.send(payload, destination, SKELETON_TAG)
-        for index, bucket in enumerate(packed):
-            if bucket.numel():
-                group.send(bucket, destination, FIRST_BUCKET_TAG + index)
+    for index, bucket in enumerate(buckets_of(layout)):
+        outgoing = _outgoing(tensors, layout, bucket, device)
+        if outgoing.numel():
+            for destination in destinations:
+                group.send(outgoing, destination, FIRST_BUCKET_TAG + index)
+        del outgoing
 
 
-def recv_state(group: GenerationGroup, src: int, device: torch.device) -> Any:
-    """The state group rank ``src`` sends with ``send_state``; its tensors on ``device``."""
+def recv_state(group: GenerationGroup, src: int, device: torch.device, live: Any = None) -> Any:
+    """The state group rank ``src`` sends with ``send_state``: host tensors of the source on the
+    host, the others on ``device``. ``live``: this rank's state of the same structure (its
+    model's parameters, its optimizer's state once it has stepped), whose matching tensors (same
+    dtype and shape) are filled in place and returned instead of new ones."""
     size = torch.zeros(1, dtype=torch.int64, device=device)
     group.recv(size, src, SIZE_TAG)
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     group.recv(payload, src, SKELETON_TAG)
     skeleton, layout = _decode(payload)
-    buckets = buckets_of(layout)
-    packed = _empty_buckets(layout, buckets, device)
-    for index, bucket in enumerate(packed):
-        if bucket.numel():
-            group.recv(bucket, src, FIRST_BUCKET_TAG + index)
-    return unflatten_state(skeleton, _unpacked(packed, layout, buckets))
+    live_tensors = live_counterparts(skeleton, live, len(layout))
+    received: list[torch.Tensor] = []  # buckets hold consecutive tensors: skeleton order
+    for index, bucket in enumerate(buckets_of(layout)):
+        def receive(tensor: torch.Tensor, tag: int = FIRST_BUCKET_TAG + index) -> None:
+            group.recv(tensor, src, tag)
+
+        received += _receive_bucket(receive, layout, bucket, live_tensors, device)
+    return unflatten_state(skeleton, received)

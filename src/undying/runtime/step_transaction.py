@@ -123,9 +123,14 @@ class StepTransaction:
         Suppressed: any exception of a step that could not commit anyway (its all-reduce failed, or
         the controller aborted the generation, told within ABORT_GRACE_S): a user collective that
         fails because a peer died is a symptom of that fault, and the recovery re-runs the step.
+        A collective of a sharded model that failed counts as the first kind.
         Else, with ``retry``, an exception of the step's own (this rank votes no, nobody applies it)."""
         if error is None or not isinstance(error, Exception) or self.updated:
             return False
+        if isinstance(error, CollectiveError):
+            # A sharded model's own collectives (FSDP's all-gathers and reduce-scatters over the mesh,
+            # runtime/mesh.py) raise in the body: a peer is gone, not the user's error.
+            self.fail(f"a collective in the step failed: {error}")
         if self.failure is None and StrategyName.RETRY not in self.spec.recover_strategy \
                 and not self._generation_aborted_soon():
             return False

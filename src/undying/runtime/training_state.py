@@ -16,6 +16,13 @@ from undying.data import ResumableLoader, replica_slots
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.optim import CommitOptimizer, search_loop_state
 from undying.runtime.rng import capture_rng, restore_rng
+from undying.runtime.sharded import (
+    ShardedModel,
+    load_local_optimizer_state,
+    load_local_tensors,
+    local_optimizer_state,
+    local_tensors,
+)
 
 if TYPE_CHECKING:
     from undying.runtime.membership import Membership
@@ -77,13 +84,16 @@ class TrainingState:
     """
 
     def __init__(self, holds_state: bool) -> None:
-        self.models: list[FixedLayoutDDP] = []
+        self.models: list[FixedLayoutDDP | ShardedModel] = []
         self.optimizers: list[CommitOptimizer] = []
         self.loaders: list[ResumableLoader] = []
         self.statefuls: dict[str, Stateful] = {}
         self.committed_step = 0
         # False in a replacement rank until its repair: it holds no training state worth keeping yet.
         self.holds_state = holds_state
+        # A sharded job (ft.device_mesh): each rank holds its own shard of the models and optimizers,
+        # which are then part of its rank state, not of the replica state.
+        self.sharded = False
         self.commit_rng: dict[str, Any] = {}
         self.commit_loaders: list[dict[str, Any]] = []
         # Empty until the first boundary: before it, the objects' own states are the committed ones.
@@ -157,17 +167,19 @@ class TrainingState:
         a dump writes, and the shared file of a periodic checkpoint."""
         return {
             "committed_step": self.committed_step,
-            "models": [model.module.state_dict() for model in self.models],
-            "optimizers": [self._committed_optimizer_state(index) for index in range(len(self.optimizers))],
+            "models": [] if self.sharded else [model.module.state_dict() for model in self.models],
+            "optimizers": [] if self.sharded else [self._committed_optimizer_state(index)
+                                                   for index in range(len(self.optimizers))],
             "loaders": self.commit_loaders,
             "statefuls": self._stateful_states(),
         }
 
     def load_replica_state(self, state: dict[str, Any]) -> None:
-        for model, model_state in zip(self.models, state["models"], strict=True):
-            model.module.load_state_dict(model_state)
-        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(optimizer_state)
+        if not self.sharded:
+            for model, model_state in zip(self.models, state["models"], strict=True):
+                model.module.load_state_dict(model_state)
+            for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
+                optimizer.load_state_dict(optimizer_state)
         for loader, loader_state in zip(self.loaders, state["loaders"], strict=True):
             loader.load_state_dict(loader_state)
         self._load_stateful_states(state.get("statefuls", {}))
@@ -175,12 +187,40 @@ class TrainingState:
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's own part of a snapshot, as of the last commit boundary."""
-        return {"rng": self.commit_rng or capture_rng(), "statefuls": self._stateful_states()}
+        state = {"rng": self.commit_rng or capture_rng(), "statefuls": self._stateful_states()}
+        if self.sharded:
+            state["shards"] = self.shard_state()
+        return state
 
     def load_rank_state(self, state: dict[str, Any]) -> None:
         if state.get("rng"):
             restore_rng(state["rng"])
         self._load_stateful_states(state.get("statefuls", {}))
+        if self.sharded:
+            if "shards" not in state:
+                raise RuntimeError("this checkpoint holds no shards: it was written by a job that did not shard "
+                                   "its model (ft.device_mesh)")
+            self.load_shard_state(state["shards"])
+
+    def shard_state(self) -> dict[str, Any]:
+        """This rank's shard of every model and optimizer, as of the last commit boundary: what a rank
+        holding the same shard in another replica would have (a replacement's repair sends it)."""
+        return {"models": [local_tensors(model.module) for model in self.models],
+                "optimizers": [local_optimizer_state(self._committed_optimizer_state(index))
+                               for index in range(len(self.optimizers))]}
+
+    def load_shard_state(self, state: dict[str, Any]) -> None:
+        for model, model_state in zip(self.models, state["models"], strict=True):
+            load_local_tensors(model.module, model_state)
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
+            load_local_optimizer_state(optimizer, optimizer_state)
+
+    def forget_failed_step(self) -> None:
+        """Drop what a failed step left: the gradients, and a sharded model's per-step state."""
+        for model in self.models:
+            if isinstance(model, ShardedModel):
+                model.forget_failed_step()
+        self.zero_grad()
 
     def _stateful_states(self) -> dict[str, Any]:
         """As of the commit boundary; an object registered since then, as it is now."""

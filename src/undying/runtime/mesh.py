@@ -1,0 +1,209 @@
+"""The device mesh of a sharded job (FSDP2, HSDP): process groups whose identity outlives generations.
+
+Runs in the worker. ``ft.device_mesh(replicate=R, shard=S)`` returns a torch ``DeviceMesh`` of shape
+(R, S), dims ``("replicate", "shard")``: row r is replica r, column c holds shard c, and rank g sits
+at (g // S, g % S). FSDP2 and DTensor read a mesh's groups once and keep the objects, while undying
+replaces every process group at each recovery; so each dim's group is a ``SwappableGroup``, a torch
+``ProcessGroup`` whose name, rank and size stay fixed and whose collectives go to the current
+generation's backend group. ``Membership.build_group`` builds those (``SwappableMesh.enter``) with the
+training group, and ``leave_group`` retires them. Every collective of theirs is waited like any other
+of undying's: bounded by ``comm_timeout``, given up when the controller aborts the generation
+(runtime/pg.py). docs/sharding.md has the design and what it was measured against.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.distributed.distributed_c10d import GroupName
+
+from undying.runtime.pg import CollectiveError, GenerationGroup
+
+DIM_NAMES = ("replicate", "shard")
+# The ProcessGroup methods FSDP2, HSDP and DTensor call on a mesh's groups (torch 2.13: FSDP's
+# all-gather and reduce-scatter, HSDP's all-reduce, DTensor's full_tensor, and what a state transfer
+# or a broadcast over one dim uses). Each is forwarded to the current generation's group.
+FORWARDED = ("all_gather_single", "_allgather_base", "allgather", "allgather_into_tensor_coalesced",
+             "all_gather_single_coalesced", "reduce_scatter_single", "_reduce_scatter_base",
+             "reduce_scatter", "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced",
+             "allreduce", "allreduce_coalesced", "broadcast", "barrier", "alltoall_base",
+             "all_to_all_single", "send", "recv")
+
+
+class MeshDimGroup(GenerationGroup):
+    """One mesh dim's group of one generation: a ``GenerationGroup`` (built on its own thread under
+    the join timeout and the abort flag; waits bounded) whose group is a full torch ``ProcessGroup``
+    with the backend registered, as FSDP calls ProcessGroup methods the bare backend lacks."""
+
+    def __init__(self, name: str, store: dist.Store, prefix: str, generation: int, rank: int, world_size: int,
+                 backend: str, comm_timeout: float | None, device: torch.device,
+                 should_abort: Callable[[], bool], join_timeout: float) -> None:
+        self.name = name
+        super().__init__(store, prefix, generation, rank, world_size, backend, comm_timeout, device,
+                         should_abort=should_abort, join_timeout=join_timeout)
+
+    def _build(self, backend: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
+        inner = super()._build(backend, timeout)
+        kind = dist.ProcessGroup.BackendType.NCCL if backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
+        group = dist.ProcessGroup(self.store, self.rank, self.world_size)
+        group._set_default_backend(kind)
+        group._register_backend(torch.device(self.device.type), kind, inner)  # type: ignore[arg-type]
+        group._set_group_name(GroupName(f"{self.name}/gen{self.generation}"))
+        return group
+
+
+class BoundedWork(dist.Work):
+    """A work of one generation's dim group, as FSDP sees it: ``wait`` is bounded like every other
+    wait of undying's, and once the generation is left it returns at once (FSDP's
+    ``reset_iter_state`` waits on the failed step's pending all-gather, whose result nobody uses)."""
+
+    def __init__(self, inner: dist.Work, owner: SwappableGroup, dim: MeshDimGroup, op: str) -> None:
+        super().__init__()
+        self.inner, self.owner, self.dim, self.op = inner, owner, dim, op
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if self.owner.dim is not self.dim:
+            return False
+        self.dim.wait_work(self.op, self.inner)
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.inner.is_completed())
+
+    def get_future(self) -> torch.futures.Future:
+        return self.inner.get_future()
+
+
+class SwappableGroup(dist.ProcessGroup):
+    """A mesh dim's group for the life of the job: FSDP2 and the DeviceMesh hold this object, and
+    ``swap`` points it at the next generation's ``MeshDimGroup``. ``members``: the job ranks of the
+    group in group-rank order."""
+
+    def __init__(self, name: str, rank: int, members: list[int]) -> None:
+        super().__init__(rank, len(members))  # type: ignore[call-arg]  # the stub lacks this overload
+        self._name = GroupName(name)
+        self.members = members
+        self.dim: MeshDimGroup | None = None
+
+    @property
+    def group_name(self) -> GroupName:
+        # torch's own property asks the backend, of which this object has none.
+        return self._name
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "undying"
+
+    def _forward(self, op: str, *args: Any) -> dist.Work:
+        dim = self.dim
+        if dim is None:
+            raise CollectiveError(op, self.rank(), -1, RuntimeError(f"{self._name}: this rank is between "
+                                                                    f"generations (left after a fault)"))
+        try:
+            work = getattr(dim.group, op)(*args)
+        except Exception as error:
+            raise CollectiveError(op, self.rank(), dim.generation, error) from None
+        return BoundedWork(work, self, dim, op)
+
+
+def forward_collectives(cls: type) -> None:
+    """Give ``cls`` (a ProcessGroup subclass with ``_forward(op, *args)``) every FORWARDED method."""
+    def forwarder(op: str) -> Callable[..., dist.Work]:
+        def forward(self: Any, *args: Any) -> dist.Work:
+            return self._forward(op, *args)
+        forward.__name__ = op
+        return forward
+
+    for op in FORWARDED:
+        setattr(cls, op, forwarder(op))
+
+
+forward_collectives(SwappableGroup)
+
+
+class SwappableMesh:
+    """This rank's (replicate, shard) mesh: its two swappable groups and the torch DeviceMesh over
+    them. Shape and placement are fixed for the job (an elastic job cannot shard; runtime/core.py)."""
+
+    def __init__(self, rank: int, replicate: int, shard: int, backend: str, device: torch.device) -> None:
+        self.rank, self.replicate, self.shard = rank, replicate, shard
+        self.backend, self.device = backend, device
+        row, column = divmod(rank, shard)
+        self.groups = (
+            SwappableGroup(f"undying-replicate{column}", row, [column + shard * r for r in range(replicate)]),
+            SwappableGroup(f"undying-shard{row}", column, [row * shard + c for c in range(shard)]),
+        )
+        self.generation = 0
+        self.device_mesh = self._device_mesh()
+        self.register()
+
+    def _device_mesh(self) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        layout = torch.arange(self.replicate * self.shard, dtype=torch.int).view(self.replicate, self.shard)
+        # What DeviceMesh.from_group does, but with this rank given: from_group asks torch's default
+        # group for it, which a replacement rank has not joined yet when its script builds the model.
+        mesh = DeviceMesh(self.device.type, layout, mesh_dim_names=DIM_NAMES, _init_backend=False,
+                          _rank=self.rank)
+        mesh._dim_group_names = [group.group_name for group in self.groups]
+        for group in self.groups:
+            mesh._pg_registry[group.group_name] = group
+        return mesh
+
+    def replica_peers(self, rank: int) -> list[int]:
+        """The ranks that hold ``rank``'s shard (itself included), replica by replica."""
+        column = rank % self.shard
+        return [column + self.shard * row for row in range(self.replicate)]
+
+    def enter(self, training: GenerationGroup, store: dist.Store, prefix: str, should_abort: Callable[[], bool],
+              join_timeout: float) -> None:
+        """Build the training group's generation for both dims (every rank builds replicate first, then
+        shard: one order everywhere, so no two groups wait on each other) and point the mesh at them."""
+        self.leave()
+        for group in self.groups:
+            dim = MeshDimGroup(group.group_name, store, f"{prefix}/mesh/{group.group_name}", training.generation,
+                               group.rank(), group.size(), self.backend, training.comm_timeout_s, self.device,
+                               should_abort, join_timeout)
+            group.dim = dim
+            training.abort_also(dim.abort_backend)
+        self.generation = training.generation
+        self.register()
+
+    def leave(self) -> None:
+        """Retire this generation's dim groups (their pending works stop waiting) and drop them
+        without blocking (runtime/pg.py ``abandon``)."""
+        for group in self.groups:
+            dim, group.dim = group.dim, None
+            if dim is not None:
+                dim.abandon()
+
+    def close(self) -> None:
+        """End of training: shut the dim groups' communicators down (NCCL)."""
+        for group in self.groups:
+            if group.dim is not None:
+                group.dim.shutdown()
+
+    def register(self) -> None:
+        """Make the groups known to torch as ``new_group`` would: by name (the DeviceMesh, DTensor's
+        functional collectives) and in its world map (``get_process_group_ranks``, c10d's logging of a
+        failed collective). torch empties both when its default group is destroyed, which undying
+        does at every recovery (runtime/default_group.py): called again after each rebuild."""
+        world = distributed_c10d._world
+        for group in self.groups:
+            try:
+                registered = distributed_c10d._resolve_process_group(group.group_name)
+            except (RuntimeError, ValueError):
+                registered = None
+            if registered is not None:  # still there: torch's default group was not rebuilt since
+                distributed_c10d._unregister_process_group(group.group_name)
+            distributed_c10d._register_process_group(group.group_name, group)
+            world.pg_map[group] = (self.backend, dist.HashStore())
+            world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(group.members)}
+            tag = f"undying:{group.group_name}"
+            world.pg_to_tag[group] = tag
+            if group not in world.tags_to_pg.setdefault(tag, []):
+                world.tags_to_pg[tag].append(group)

@@ -1,0 +1,111 @@
+"""A sharded model (FSDP2 HSDP on a 2 x 2 mesh from ft.device_mesh) under real faults: a killed worker,
+a lost node, a hung worker, an exception, and a job restart. The survivors keep their processes, a
+replacement receives its shard from the rank that holds it in the other replica, and the final
+parameters (gathered whole) are bitwise equal to a fault-free run on the same mesh."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import FINAL_STATE, STEPS, JobRun, run_job
+from undying import events as ev
+
+pytestmark = pytest.mark.faults
+
+MESH = ["--mesh", "2x2"]  # rows are replicas: node 0 holds replica 0 (ranks 0, 1), node 1 replica 1
+PROCESS_LEVEL = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
+                 "--recover-strategy", "retry,recover-in-place,recover"]
+
+
+@pytest.fixture(scope="module")
+def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
+    run_dir = tmp_path_factory.mktemp("hsdp-reference")
+    run = run_job(run_dir, script_args=[*MESH, "--final-state", str(run_dir / FINAL_STATE)])
+    assert run.returncode == 0, run.output + run.logs()
+    return run
+
+
+def assert_bitwise(run: JobRun, reference: JobRun) -> None:
+    assert run.returncode == 0, run.output + run.logs()
+    assert run.result["final_step"] == STEPS
+    assert run.result["param_sha256"] == reference.result["param_sha256"], run.output + run.logs()
+
+
+def assert_survivors_kept(run: JobRun, replaced: set[int]) -> None:
+    assert not run.kinds(ev.RESTART_BEGIN), "a process-level fault must not restart the job"
+    first = {e.rank: e.details["pid"] for e in run.kinds(ev.WORKER_READY) if e.generation == 1}
+    recovered = {e.rank: e.details["pid"] for e in run.kinds(ev.RECOVERED)}
+    for rank in range(4):
+        assert (recovered[rank] != first[rank]) == (rank in replaced), (rank, first, recovered)
+
+
+def shards_received(run: JobRun) -> dict[int, int]:
+    """Receiving rank -> the rank that sent it its shard."""
+    return {e.rank: e.details["donor"] for e in run.kinds(ev.SHARD_RECEIVED)}
+
+
+def test_the_reference_trains_a_sharded_model(hsdp_reference: JobRun) -> None:
+    """The run every other one is compared with really shards: its parameters are DTensors over the
+    mesh, and gathered whole they are what its digest covers."""
+    assert hsdp_reference.result["final_step"] == STEPS
+    final = torch.load(hsdp_reference.run_dir / FINAL_STATE)
+    assert final["transformer.wte.weight"].dim() == 2
+    records = [e for e in hsdp_reference.kinds(ev.CHECKPOINT_SAVE)]
+    assert records, "periodic checkpoints of a sharded job"
+
+
+def test_a_killed_worker_gets_its_shard_from_its_replica_peer(hsdp_reference: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "kill:rank=3:step=15"], script_args=MESH)
+    assert_bitwise(run, hsdp_reference)
+    assert_survivors_kept(run, {3})
+    assert run.kinds(ev.DECISION)[-1].details["strategy"] == "recover-in-place"
+    assert shards_received(run) == {3: 1}  # rank 1 holds shard 1 in replica 0
+
+
+def test_a_lost_node_is_recovered_onto_a_spare_from_the_other_replica(hsdp_reference: JobRun,
+                                                                        tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--standby", "1", "--inject", "node:node=1:step=15"],
+                  script_args=MESH)
+    assert_bitwise(run, hsdp_reference)
+    assert_survivors_kept(run, {2, 3})
+    assert run.kinds(ev.DECISION)[-1].details["strategy"] == "recover"
+    assert shards_received(run) == {2: 0, 3: 1}
+
+
+def test_a_hung_worker_is_replaced_and_the_survivors_give_up_its_collectives(hsdp_reference: JobRun,
+                                                                             tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "hang:rank=2:step=12"], script_args=MESH)
+    assert_bitwise(run, hsdp_reference)
+    assert_survivors_kept(run, {2})
+    assert shards_received(run) == {2: 0}
+
+
+def test_an_exception_in_a_step_is_retried_in_the_same_processes(hsdp_reference: JobRun, tmp_path: Path) -> None:
+    run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "raise:rank=1:step=12"], script_args=MESH)
+    assert_bitwise(run, hsdp_reference)
+    assert_survivors_kept(run, set())
+    assert run.kinds(ev.DECISION)[-1].details["strategy"] == "retry"
+    assert not shards_received(run)
+
+
+def test_a_job_restart_restores_every_rank_its_own_shard(hsdp_reference: JobRun, tmp_path: Path) -> None:
+    """The default chain (job restart): every rank restores its own shard from its T1 snapshot."""
+    run = run_job(tmp_path, ["--inject", "kill:rank=3:step=15"], script_args=MESH)
+    assert_bitwise(run, hsdp_reference)
+    assert run.kinds(ev.RESTART_BEGIN)
+    loads = run.kinds(ev.CHECKPOINT_LOAD)
+    assert loads and {e.details["source"] for e in loads} == {"memory"}, [e.details for e in loads]
+
+
+def test_a_job_restart_from_storage_loads_every_rank_its_own_shard(hsdp_reference: JobRun, tmp_path: Path) -> None:
+    """A lost node takes its ranks' T1 snapshots with it: the restart reads the periodic checkpoint of
+    step 10 from storage, each rank its own shard from its rank file."""
+    run = run_job(tmp_path, ["--set", "checkpoint.snapshot_interval=0", "--inject", "node:node=1:step=15"],
+                  script_args=MESH)
+    assert_bitwise(run, hsdp_reference)
+    loads = run.kinds(ev.CHECKPOINT_LOAD)
+    assert loads and {e.details["source"] for e in loads} == {"storage"}, [e.details for e in loads]
+    assert {e.step for e in loads} == {10}
