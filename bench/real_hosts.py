@@ -2,24 +2,31 @@
 group, seen only through its connections), next to the same fault on simulated nodes (one
 `undying run`, nodes as child processes), in one run with the scenarios interleaved.
 
-The job: examples/gpt/train.py, 2 nodes x 2 workers and a spare node, 30 steps (0.4 s sleep per
-step on real hosts, so the fault lands mid-run), recover onto the spare. MTTR: from the fault (the
-injection's event, or the SIGSTOP) to every rank's first completed step after it. Runs the test
-suite's harness (tests/faults/test_real_hosts.py ``Hosts``), not a copy of it.
+The job: examples/gpt/train.py, 2 nodes x 2 workers (and a spare node where the row says so), 30
+steps, 0.4 s sleep per step so that the fault lands mid-run. Faults: a host killed (SIGKILL of its
+process group), frozen (SIGSTOP of it: seen only by its silence) or leaving (SIGTERM to its
+`undying run`, a preempted pod: it announces its leave). Recovery onto the spare (recover), or
+without one the job trains on without the node (elastic training); a frozen host is waited for
+2 s (the controller's reschedule wait shortened from its 30 s floor) before the shrink. MTTR: from
+the fault (the injection's event, the SIGSTOP or the SIGTERM) to every rank's first completed step
+after it. Runs the test suite's harness (tests/faults/test_real_hosts.py ``Hosts``), not a copy.
 
-    python bench/real_hosts.py --repeats 2
+    python bench/real_hosts.py --repeats 2 --out bench/results/real_hosts.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -37,71 +44,117 @@ from undying import events as ev  # noqa: E402
 from undying.events import Event  # noqa: E402
 
 KILL_STEP = 12
-SCENARIOS = ("real hosts: host killed, onto a spare", "simulated nodes: node killed, onto a spare",
-             "real hosts: host frozen (SIGSTOP), onto a spare")
+LEAVE_AT_STEP = 8  # the heartbeat step after which node 1's `undying run` gets SIGTERM
+RESCHEDULE_WAIT = 2.0
+# recover before elastic training: a spare takes the node's place if there is one, else the job shrinks.
+ELASTIC_CHAIN = FROZEN_CHAIN
 
 
-def mttr(events: list[Event], fault_time: float) -> float | None:
+def outcome(events: list[Event], fault_time: float) -> dict[str, Any]:
+    """MTTR (None if no step followed the fault) and how the job recovered: the first plan after
+    the fault (its strategy and world size), whether a spare was adopted, whether the job restarted."""
     firsts = [e for e in events if e.kind == ev.FIRST_STEP and e.time > fault_time]
-    if not firsts:
-        return None
-    generation = firsts[0].generation
-    return round(max(e.time for e in firsts if e.generation == generation) - fault_time, 3)
+    mttr = None
+    if firsts:
+        generation = firsts[0].generation
+        mttr = round(max(e.time for e in firsts if e.generation == generation) - fault_time, 3)
+    plans = [e for e in events if e.kind == ev.RECOVERY_PLAN and e.time > fault_time]
+    return {"mttr_seconds": mttr,
+            "strategy": plans[0].details["strategy"] if plans else None,
+            "world_size": plans[0].details["world_size"] if plans else None,
+            "spare_adopted": any(e.kind == ev.STANDBY_ADOPT for e in events),
+            "job_restart": any(e.kind == ev.RESTART_BEGIN for e in events)}
 
 
-def killed_host(root: Path) -> float | None:
-    cluster = Hosts(root, [*RECOVER, "--inject", f"node:node=1:step={KILL_STEP}"], script_args=STEP_SLEEP)
+def on_hosts(root: Path, extra: list[str], spare: bool, fault: Callable[[Hosts], float],
+             reschedule_wait: float | None = None) -> dict[str, Any]:
+    """Nodes 0 and 1 (and a spare) as real hosts; ``fault`` acts on them and returns its time."""
+    cluster = Hosts(root, extra, reschedule_wait=reschedule_wait, script_args=STEP_SLEEP)
     try:
         for node in (0, 1):
             cluster.start(node)
-        cluster.start(2, spare=True)
+        if spare:
+            cluster.start(2, spare=True)
+            cluster.wait_for_event("the spare's hello", lambda e: e.kind == ev.AGENT_REGISTERED
+                                   and e.details["standby"])
+        fault_time = fault(cluster)
         cluster.wait(0)
         events = cluster.events()
     finally:
         cluster.close()
-    [injection] = [e for e in events if e.kind == ev.INJECTION]
-    return mttr(events, injection.time)
+    return outcome(events, fault_time)
 
 
-def simulated_node(root: Path) -> float | None:
+def injected(cluster: Hosts) -> float:
+    """The fault is the job's own injection (node 1 killed at KILL_STEP): its event's time."""
+    injection = cluster.wait_for_event("the injection", lambda e: e.kind == ev.INJECTION)
+    return injection.time
+
+
+def frozen(until: str) -> Callable[[Hosts], float]:
+    """SIGSTOP of node 1's process group; SIGCONT once the controller logged ``until``."""
+    def fault(cluster: Hosts) -> float:
+        frozen_at = freeze_node1_after_a_few_steps(cluster)
+        cluster.wait_for_event(until, lambda e: e.kind == until)
+        cluster.signal_host(1, signal.SIGCONT)
+        return frozen_at
+    return fault
+
+
+def leave(cluster: Hosts) -> float:
+    """SIGTERM to node 1's `undying run` (only it: it stops its own workers after saying so)."""
+    cluster.wait_for_event(f"a heartbeat at step {LEAVE_AT_STEP}",
+                           lambda e: e.kind == ev.HEARTBEAT and (e.step or 0) >= LEAVE_AT_STEP)
+    left_at = time.time()
+    os.kill(cluster.processes[1].pid, signal.SIGTERM)
+    return left_at
+
+
+def simulated_node(root: Path) -> dict[str, Any]:
     run = run_job(root, [*RECOVER, "--standby", "1", "--inject", f"node:node=1:step={KILL_STEP}"],
                   script_args=STEP_SLEEP)
     [injection] = run.kinds(ev.INJECTION)
-    return mttr(run.events, injection.time)
+    return outcome(run.events, injection.time)
 
 
-def frozen_host(root: Path) -> float | None:
-    cluster = Hosts(root, FROZEN_CHAIN, reschedule_wait=2.0, script_args=STEP_SLEEP)
-    try:
-        for node in (0, 1):
-            cluster.start(node)
-        cluster.start(2, spare=True)
-        frozen_at = freeze_node1_after_a_few_steps(cluster)
-        cluster.wait_for_event("recovery_plan", lambda e: e.kind == ev.RECOVERY_PLAN)
-        cluster.signal_host(1, signal.SIGCONT)
-        cluster.wait(0)
-        events = cluster.events()
-    finally:
-        cluster.close()
-    return mttr(events, frozen_at)
+SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
+    "real hosts: host killed, onto a spare": lambda root: on_hosts(
+        root, [*RECOVER, "--inject", f"node:node=1:step={KILL_STEP}"], True, injected),
+    "simulated nodes: node killed, onto a spare": simulated_node,
+    "real hosts: host frozen (SIGSTOP), onto a spare": lambda root: on_hosts(
+        root, FROZEN_CHAIN, True, frozen(ev.RECOVERY_PLAN), RESCHEDULE_WAIT),
+    "real hosts: host frozen (SIGSTOP), elastic shrink, no spare": lambda root: on_hosts(
+        root, FROZEN_CHAIN, False, frozen(ev.ELASTIC_SHRINK), RESCHEDULE_WAIT),
+    "real hosts: planned leave (SIGTERM), elastic shrink, no spare": lambda root: on_hosts(
+        root, ELASTIC_CHAIN, False, leave),
+    "real hosts: planned leave (SIGTERM), onto a spare": lambda root: on_hosts(
+        root, ELASTIC_CHAIN, True, leave),
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here too")
     args = parser.parse_args()
-    runs = {SCENARIOS[0]: killed_host, SCENARIOS[1]: simulated_node, SCENARIOS[2]: frozen_host}
-    results: dict[str, list[float | None]] = {name: [] for name in SCENARIOS}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SCENARIOS}
     for _ in range(args.repeats):
-        for name, scenario in runs.items():
+        for name, scenario in SCENARIOS.items():
             with tempfile.TemporaryDirectory(prefix="undying-hosts-bench-") as tmp:
                 started = time.time()
-                results[name].append(scenario(Path(tmp)))
-                print(f"{name}: MTTR {results[name][-1]} s ({time.time() - started:.0f} s)", file=sys.stderr,
-                      flush=True)
-    summary = {name: {"median_mttr_seconds": statistics.median([v for v in values if v is not None] or [0.0]),
-                      "all_mttr_seconds": values} for name, values in results.items()}
-    print(json.dumps({"kill_step": KILL_STEP, "freeze_at_step": FREEZE_AT_STEP, "results": summary}, indent=2))
+                runs[name].append(scenario(Path(tmp)))
+                print(f"{name}: {runs[name][-1]} ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
+    summary = {}
+    for name, records in runs.items():
+        values = [record["mttr_seconds"] for record in records]
+        summary[name] = {"median_mttr_seconds": statistics.median([v for v in values if v is not None] or [0.0]),
+                         "all_mttr_seconds": values, "runs": records}
+    report = {"command": " ".join(["python", "bench/real_hosts.py", *sys.argv[1:]]), "kill_step": KILL_STEP,
+              "freeze_at_step": FREEZE_AT_STEP, "leave_at_step": LEAVE_AT_STEP,
+              "reschedule_wait_seconds": RESCHEDULE_WAIT, "results": summary}
+    print(json.dumps(report, indent=2))
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -226,7 +226,7 @@ class RecoverRequest(Message):
 class Plan(Message):
     """What every rank does to leave a fault behind (docs/design.md, "Process-level recovery")."""
 
-    RUN_FIELDS: ClassVar[tuple[str, ...]] = ("members", "receivers")
+    RUN_FIELDS: ClassVar[tuple[str, ...]] = ("members", "receivers", "holders")
 
     action: str = PlanAction.WAIT
     strategy: str = ""
@@ -243,6 +243,8 @@ class Plan(Message):
     store: str = ""
     # Other stores that may hold the RNG mirror of target_step (the backup store of a failed-over controller).
     rng_stores: list[str] = field(default_factory=list)
+    # The ranks that hold target_step's state (checked in at it): a sharded job's dump is written by them.
+    holders: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -109,3 +109,18 @@ def test_a_job_restart_from_storage_loads_every_rank_its_own_shard(hsdp_referenc
     loads = run.kinds(ev.CHECKPOINT_LOAD)
     assert loads and {e.details["source"] for e in loads} == {"storage"}, [e.details for e in loads]
     assert {e.step for e in loads} == {10}
+
+
+def test_a_dump_writes_every_shard_and_the_restart_loads_it(hsdp_reference: JobRun, tmp_path: Path) -> None:
+    """The dying checkpoint of a sharded job: ranks 0-2 write their own shards, rank 1 also writes
+    the killed rank 3's (the same shard, with rank 3's mirrored RNG); the restart reads it from
+    storage (no T1 snapshot of that step, no periodic checkpoint)."""
+    run = run_job(tmp_path, ["--set", "process_recover=true", "--recover-strategy", "dump",
+                             "--checkpoint-interval", "100", "--set", "checkpoint.snapshot_interval=0",
+                             "--inject", "kill:rank=3:step=15"], script_args=MESH)
+    assert_bitwise(run, hsdp_reference)
+    [dumped] = run.kinds(ev.DUMP_COMMITTED)
+    assert dumped.step in (14, 15) and dumped.details["writers"] == [0, 1, 2], dumped.details
+    [restart] = run.kinds(ev.RESTART_BEGIN)
+    loads = [e for e in run.kinds(ev.CHECKPOINT_LOAD) if e.time > restart.time]
+    assert {(e.details["source"], e.details["dump"], e.step) for e in loads} == {("storage", True, dumped.step)}

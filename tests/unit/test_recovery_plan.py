@@ -71,7 +71,8 @@ def test_the_plan_resumes_from_the_survivors_step_with_the_newcomer_as_receiver(
     active.newcomers_ready.add(3)
     plan = active.make_plan()
     assert plan == Plan(action=PlanAction.RESUME, strategy=RECOVER_IN_PLACE, generation=2, world_size=4, target_step=7,
-                        source_rank=0, receivers=[3], reason="rank 3 exited (killed by SIGKILL)", members=[0, 1, 2, 3])
+                        source_rank=0, receivers=[3], reason="rank 3 exited (killed by SIGKILL)", members=[0, 1, 2, 3],
+                        holders=[0, 1, 2])
     assert active.plan is plan
 
 

@@ -23,17 +23,16 @@ def test_a_mesh_that_does_not_cover_the_job_is_refused(replicate: int, shard: in
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("strategy", ["dump", "elastic-training"])
-def test_strategies_a_sharded_job_cannot_use_yet_are_refused_at_the_mesh(strategy: str) -> None:
-    with pytest.raises(ValueError, match=f"recover_strategy {strategy} .*allowed with this mesh: retry, "
-                                         f"recover-in-place, recover, job-restart, exit"):
-        mesh_of(strategies=("recover-in-place", strategy))
+def test_elastic_training_is_refused_at_the_mesh() -> None:
+    with pytest.raises(ValueError, match="recover_strategy elastic-training .*allowed with this mesh: retry, "
+                                         "recover-in-place, recover, dump, job-restart, exit"):
+        mesh_of(strategies=("recover-in-place", "elastic-training"))
 
 
 def test_pure_fsdp_refuses_the_strategies_that_need_a_replica() -> None:
-    with pytest.raises(ValueError, match="recover_strategy recover-in-place .*replicate=1; allowed with this "
-                                         "mesh: retry, job-restart, exit"):
-        mesh_of(replicate=1, shard=4, strategies=("retry", "recover-in-place"))
+    with pytest.raises(ValueError, match="recover_strategy recover-in-place, dump .*replicate=1; allowed with "
+                                         "this mesh: retry, job-restart, exit"):
+        mesh_of(replicate=1, shard=4, strategies=("retry", "recover-in-place", "dump"))
 
 
 def test_the_shard_dim_defaults_to_what_the_replicas_leave() -> None:
@@ -102,3 +101,21 @@ def test_a_model_sharded_over_a_mesh_of_its_own_is_refused() -> None:
     assert done.returncode == 0, done.stderr
     assert "ours: ShardedModel" in done.stdout
     assert "theirs: ft.wrap_model:" in done.stdout and "did not build" in done.stdout, done.stdout
+
+
+def test_a_sharded_dump_is_written_by_every_holder_and_for_each_lost_rank_by_its_replica_peer() -> None:
+    from undying.protocol import Plan
+    from undying.runtime.dying_checkpoint import MIRRORED, OWN, dump_files
+
+    mesh = mesh_of()
+    plan = Plan(action="dump", source_rank=0, target_step=15, members=[0, 1, 2, 3], holders=[0, 1, 2])
+    assert dump_files(plan, 0, plan.members, mesh) == {0: OWN}
+    assert dump_files(plan, 1, plan.members, mesh) == {1: OWN, 3: MIRRORED}  # rank 3 held shard 1, as rank 1
+    assert dump_files(plan, 2, plan.members, mesh) == {2: OWN}
+    assert dump_files(plan, 3, plan.members, mesh) == {}
+    # Data parallel: the source writes every rank's file.
+    assert dump_files(plan, 0, plan.members, None) == dict.fromkeys([0, 1, 2, 3], MIRRORED)
+    assert dump_files(plan, 1, plan.members, None) == {}
+    lost_shard = Plan(action="dump", source_rank=0, target_step=15, members=[0, 1, 2, 3], holders=[0, 2])
+    with pytest.raises(ShardLost, match="shard 1"):
+        dump_files(lost_shard, 0, lost_shard.members, mesh)

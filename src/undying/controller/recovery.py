@@ -68,7 +68,8 @@ class ActiveRecovery:
         self.plan = Plan(action=self.action, strategy=self.strategy, generation=self.generation,
                          world_size=self.world_size, target_step=target, source_rank=source,
                          receivers=sorted(self.newcomers | behind), reason=self.fault.describe(),
-                         members=list(self.members))
+                         members=list(self.members),
+                         holders=sorted(rank for rank, step in self.checked_in.items() if step == target))
         return self.plan
 
 

@@ -2,7 +2,7 @@
 
 Runs in the worker. ``RecoveryClient.recover`` is the whole path, in order: leave the failed
 generation's group, check in with the controller (``/v1/worker/recover``) and wait for its plan,
-write the dying checkpoint if the plan says ``dump``, follow the job's store if it moved (controller
+write the dying checkpoint if the plan says ``dump`` (runtime/dying_checkpoint.py), follow the job's store if it moved (controller
 failover), enter the plan's generation and build its group, then repair: the source replica sends
 its state to the replacement ranks (runtime/state_transfer.py) and every other rank rolls back its
 step in flight. A plan whose regroup or repair fails is followed by the next plan.
@@ -15,11 +15,9 @@ import time
 from typing import TYPE_CHECKING
 
 from undying import events as ev
-from undying.checkpoint import commit, save_object, staging_dir
-from undying.checkpoint.dcp_format import write_shared_shard
-from undying.checkpoint.manifest import NUMERICS_KEY
 from undying.config import JobSpec
 from undying.protocol import Phase, Plan, PlanAction
+from undying.runtime.dying_checkpoint import DyingCheckpoint
 from undying.runtime.injection_points import DUMP, RECOVERY, InjectionPoints
 from undying.runtime.membership import Membership
 from undying.runtime.pg import CollectiveError
@@ -27,7 +25,6 @@ from undying.runtime.reporter import Reporter
 from undying.runtime.rng import restore_rng
 from undying.runtime.rng_mirror import MIRROR_TIMEOUT_S, RngMirror
 from undying.runtime.sharded import shard_donors
-from undying.runtime.snapshots import rank_state_file
 from undying.runtime.state_transfer import recv_state, send_state
 from undying.runtime.training_state import TrainingState
 
@@ -57,6 +54,7 @@ class RecoveryClient:
         self.injections = injections
         self.checkpoints = checkpoints
         self._joined: tuple[Plan, float] | None = None  # a plan whose group join_early built already
+        self.dying_checkpoint = DyingCheckpoint(spec, membership, state, reporter, rng_mirror, checkpoints)
 
     def recover(self, reason: str) -> None:
         """Leave the failed step, follow the controller's plan, and return at a committed step."""
@@ -108,7 +106,7 @@ class RecoveryClient:
         planned = time.monotonic()
         if plan.action == PlanAction.DUMP:
             self.injections.at_point(DUMP, plan.target_step)
-            self._dump(plan)
+            self.dying_checkpoint.write(plan)
         if plan.action != PlanAction.RESUME:
             self._park()
         if plan.store:
@@ -179,24 +177,3 @@ class RecoveryClient:
             self.reporter.emit(ev.SHARD_RECEIVED, step=plan.target_step, source="replica",
                                donor=donors[membership.rank], shard=membership.rank % membership.mesh.shard,
                                seconds=round(time.monotonic() - started, 4))
-
-    def _dump(self, plan: Plan) -> None:
-        """The dying checkpoint: the chosen replica writes the committed state; everyone else waits."""
-        if self.membership.rank != plan.source_rank:
-            return
-        started = time.time()
-        step = plan.target_step
-        root = self.checkpoints.root
-        staging = staging_dir(root, step, plan.generation)
-        records = write_shared_shard(staging, {**self.state.replica_state(), "committed_step": step},
-                                     self.checkpoints.param_names())
-        members = plan.members or list(range(self.membership.world_size))
-        for rank in members:
-            records.append(save_object(staging, rank_state_file(rank),
-                                       {"rng": self.rng_mirror.read(step, rank, plan.rng_stores), "statefuls": {}}))
-        committed = commit(root, staging, step=step, generation=plan.generation, world_size=len(members),
-                           files=records, meta={"dump": True, "node": self.membership.node, "members": members,
-                                                NUMERICS_KEY: self.checkpoints.numerics},
-                           keep=self.spec.checkpoint.keep)
-        self.reporter.emit(ev.DUMP_COMMITTED, step=step, path=str(committed.path),
-                           seconds=round(time.time() - started, 4), bytes=sum(r.size for r in records))

@@ -18,12 +18,12 @@ from torch.distributed.tensor import DTensor
 from undying.runtime.mesh import SwappableGroup, SwappableMesh
 from undying.strategy_names import StrategyName
 
-# What a sharded job may list in recover_strategy besides exit and job-restart: the strategies whose
-# repair sends a replacement its shard from a replica peer. Not yet: a dump (it would write one
-# complete set of shards) and elastic training (it would shrink by whole replica groups).
-SHARDED_STRATEGIES = (StrategyName.RETRY, StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER)
-REFUSED_STRATEGIES = (StrategyName.DUMP, StrategyName.ELASTIC)
-REPLICA_STRATEGIES = (StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER)  # they need replicate >= 2
+# What a sharded job may list in recover_strategy besides exit and job-restart. Not yet: elastic
+# training (it would shrink by whole replica groups, changing the mesh FSDP was built on).
+SHARDED_STRATEGIES = (StrategyName.RETRY, StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER, StrategyName.DUMP)
+REFUSED_STRATEGIES = (StrategyName.ELASTIC,)
+# They need another replica of each shard (replicate >= 2): a repair's donor, a dump's writer.
+REPLICA_STRATEGIES = (StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER, StrategyName.DUMP)
 
 
 def make_mesh(rank: int, world_size: int, replicate: int, shard: int | None, strategies: list[str],

@@ -93,8 +93,11 @@ class ProcessRecovery:
             # A lost node gets wait_reschedule_timeout to come back; after that the job trains on
             # without it (at once if a recover already waited for it).
             waited_already = self.name == StrategyName.ELASTIC and StrategyName.RECOVER in excluded
-            # A node that announced its leave (SIGTERM: preempted, drained) is not waited for.
-            wait = 0.0 if waited_already or recovery.fault.planned else job.deadlines.reschedule_wait
+            # A node that announced its leave (SIGTERM: preempted, drained) is not waited for,
+            # unless a spare was just ordered to take its place: that spare is the node coming back.
+            spare_coming = any(membership.being_adopted(node) for node in recovery.awaited_nodes)
+            planned_leave = recovery.fault.planned and not spare_coming
+            wait = 0.0 if waited_already or planned_leave else job.deadlines.reschedule_wait
             recovery.may_shrink = True
             recovery.reschedule_deadline = now + wait
             recovery.deadline += wait

@@ -1,0 +1,126 @@
+"""The dying checkpoint (``dump``): the committed state written by the ranks that still hold it.
+
+Runs in the worker; the recovery client (runtime/recovery_client.py) calls ``write`` when a plan's
+action is ``dump``. Data parallel: the plan's source writes the replica (the shared shard) and every
+rank's file, each rank's RNG taken from the mirror. Sharded (``ft.device_mesh``): a rank holds only
+its own shard, so each holder of the target step writes its own rank file (shard, RNG, user state),
+and a rank without the state gets its file from the first holder of its shard in another replica
+(that holder's shard, the lost rank's mirrored RNG). The source writes the shared shard, collects
+every writer's file records through the job's store and commits, as a periodic checkpoint's rank 0
+does (checkpoint/persister.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from undying import events as ev
+from undying.checkpoint import FileRecord, commit, save_object, staging_dir
+from undying.checkpoint.dcp_format import write_shared_shard
+from undying.checkpoint.manifest import NUMERICS_KEY
+from undying.config import JobSpec
+from undying.protocol import Plan
+from undying.runtime.membership import Membership
+from undying.runtime.mesh import SwappableMesh
+from undying.runtime.reporter import Reporter
+from undying.runtime.rng_mirror import RngMirror
+from undying.runtime.sharded import ShardLost
+from undying.runtime.snapshots import rank_state_file
+from undying.runtime.training_state import TrainingState
+
+if TYPE_CHECKING:
+    from undying.runtime.snapshots import CheckpointEngine
+
+# How long the source waits for the other writers' file records: each writes one rank file or two.
+RECORDS_TIMEOUT_S = 120.0
+OWN, MIRRORED = "own", "mirrored"  # a rank file with the writer's own RNG and user state, or a lost rank's
+
+
+def dump_files(plan: Plan, rank: int, members: list[int], mesh: SwappableMesh | None) -> dict[int, str]:
+    """The rank files ``rank`` writes for ``plan``: file rank -> whose RNG (OWN or MIRRORED).
+
+    Data parallel: the source writes them all, from the mirror. Sharded: see the module docstring;
+    raises ShardLost if no holder is left for a rank's shard (the dump cannot be complete)."""
+    if mesh is None:
+        return {member: MIRRORED for member in members} if rank == plan.source_rank else {}
+    holders = set(plan.holders)
+    files: dict[int, str] = {}
+    for member in members:
+        if member in holders:
+            if member == rank:
+                files[member] = OWN
+            continue
+        donors = [peer for peer in mesh.replica_peers(member) if peer in holders]
+        if not donors:
+            raise ShardLost(f"dump: no rank holding step {plan.target_step} has shard {member % mesh.shard} "
+                            f"(rank {member}'s)")
+        if donors[0] == rank:
+            files[member] = MIRRORED
+    return files
+
+
+class DyingCheckpoint:
+    """Writes this rank's part of a dump (see the module docstring)."""
+
+    def __init__(self, spec: JobSpec, membership: Membership, state: TrainingState, reporter: Reporter,
+                 rng_mirror: RngMirror, checkpoints: CheckpointEngine) -> None:
+        self.spec = spec
+        self.membership = membership
+        self.state = state
+        self.reporter = reporter
+        self.rng_mirror = rng_mirror
+        self.checkpoints = checkpoints
+
+    def write(self, plan: Plan) -> None:
+        membership, rank = self.membership, self.membership.rank
+        members = plan.members or list(range(membership.world_size))
+        if membership.mesh is not None:
+            self.state.forget_failed_step()  # a step that failed mid-way may leave parameters unsharded
+        files = dump_files(plan, rank, members, membership.mesh)
+        if not files and rank != plan.source_rank:
+            return
+        started = time.time()
+        step = plan.target_step
+        root = self.checkpoints.root
+        staging = staging_dir(root, step, plan.generation)
+        records: list[FileRecord] = []
+        if rank == plan.source_rank:
+            records += write_shared_shard(staging, {**self.state.replica_state(), "committed_step": step},
+                                          self.checkpoints.param_names())
+        for file_rank, whose in files.items():
+            records.append(save_object(staging, rank_state_file(file_rank), self._rank_file_state(plan, file_rank, whose)))
+        if membership.mesh is not None:
+            records = self._gather_records(plan, records)
+        if rank != plan.source_rank:
+            return
+        committed = commit(root, staging, step=step, generation=plan.generation, world_size=len(members),
+                           files=records, meta={"dump": True, "node": membership.node, "members": members,
+                                                NUMERICS_KEY: self.checkpoints.numerics},
+                           keep=self.spec.checkpoint.keep)
+        self.reporter.emit(ev.DUMP_COMMITTED, step=step, path=str(committed.path),
+                           seconds=round(time.time() - started, 4), bytes=sum(r.size for r in records),
+                           writers=sorted(set(plan.holders)) if membership.mesh is not None else [rank])
+
+    def _rank_file_state(self, plan: Plan, file_rank: int, whose: str) -> dict[str, Any]:
+        if whose == OWN:
+            return self.state.rank_state()
+        state: dict[str, Any] = {"rng": self.rng_mirror.read(plan.target_step, file_rank, plan.rng_stores),
+                                 "statefuls": {}}
+        if self.membership.mesh is not None:
+            state["shards"] = self.state.shard_state()  # the same shard: this rank is its replica peer
+        return state
+
+    def _gather_records(self, plan: Plan, records: list[FileRecord]) -> list[FileRecord]:
+        """Every writer publishes its file records in the job's store; the source returns them all."""
+        store = self.membership.store
+        prefix = f"{self.membership.store_prefix}/dump/g{plan.generation}"
+        store.set(f"{prefix}/{self.membership.rank}", json.dumps([asdict(record) for record in records]))
+        if self.membership.rank != plan.source_rank:
+            return records
+        keys = [f"{prefix}/{writer}" for writer in sorted(set(plan.holders))]
+        store.wait(keys, datetime.timedelta(seconds=RECORDS_TIMEOUT_S))
+        return [FileRecord(**raw) for key in keys for raw in json.loads(store.get(key))]
