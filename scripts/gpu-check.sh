@@ -18,6 +18,8 @@
 #                       fault-free runs, the run killed at step 15 (restored from T1, node memory) and
 #                       job-raise (an exception in step 15, retried in the same process) must end
 #                       with the same param_sha256
+#   sharded-ref, sharded-kill  the example sharded with FSDP2 over ft.device_mesh (1 x 1, NCCL mesh
+#                       groups): fault-free and killed at step 15 must end with the same param_sha256
 # Results go to $OUT if set, else gpu-check-results/: one log per check, summary.txt, the bench JSON.
 # GPU_CHECK_CPU=1 runs the same script on CPU (gloo, the NCCL checks skipped): proof that it starts.
 # Python packages the GPU machine lacks (pydantic, ...) may travel in a folder named by
@@ -93,17 +95,20 @@ JOB_FLAGS=(--nnodes 1 --nproc-per-node 1 --monitor-interval 0.3 --checkpoint-int
            --set "backend=$BACKEND" --set heartbeat_interval=0.5 --set heartbeat_timeout=4
            --set comm_timeout=60 --set warm_standby=false --quiet)
 
-job() {  # job NAME [--inject SPEC]: a 30-step 1-rank run of the example; its digest in RESULTS/NAME.sha
+job() {  # job NAME [UNDYING ARGS] [-- SCRIPT ARGS]: a 30-step 1-rank run of the example; digest in RESULTS/NAME.sha
     local name=$1
     shift
+    local options=() script_args=()
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do options+=("$1"); shift; done
+    [ $# -gt 0 ] && shift && script_args=("$@")
     local run_dir="$RESULTS/runs/$name" began rc limit
     limit_for "$name" 150
     limit=$LIMIT
     [ "$limit" = 0 ] && return 0
     rm -rf "$run_dir"
     began=$(date +%s)
-    timeout -s KILL "$limit" "$PYTHON" -m undying.cli run "${JOB_FLAGS[@]}" --run-dir "$run_dir" "$@" \
-        examples/gpt/train.py --steps 30 > "$RESULTS/$name.log" 2>&1
+    timeout -s KILL "$limit" "$PYTHON" -m undying.cli run "${JOB_FLAGS[@]}" --run-dir "$run_dir" ${options[@]+"${options[@]}"} \
+        examples/gpt/train.py --steps 30 ${script_args[@]+"${script_args[@]}"} > "$RESULTS/$name.log" 2>&1
     rc=$?
     local digest
     digest=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["param_sha256"])' \
@@ -165,6 +170,17 @@ PY
     fi
 else
     record digests FAIL "a job gave no digest"
+fi
+
+# The sharded path: FSDP2 over ft.device_mesh (a 1 x 1 mesh: one GPU), its mesh groups on NCCL.
+job sharded-ref -- --mesh 1x1
+job sharded-kill --inject kill:rank=0:step=15 -- --mesh 1x1
+if [ -f "$RESULTS/sharded-ref.sha" ] && [ -f "$RESULTS/sharded-kill.sha" ]; then
+    if [ "$(cat "$RESULTS"/sharded-*.sha | sort -u | wc -l)" = 1 ]; then
+        record sharded-digests PASS "FSDP2 on the mesh: fault-free and killed at 15 (job restart): bitwise equal"
+    else
+        record sharded-digests FAIL "param_sha256 differ: $(cat "$RESULTS"/sharded-*.sha | cut -c1-16 | tr '\n' ' ')"
+    fi
 fi
 
 echo "gpu-check: $FAILED failed, $(( $(date +%s) - STARTED )) s in all; summary in $SUMMARY" | tee -a "$SUMMARY"
