@@ -5,7 +5,9 @@ every 10 steps) runs with one fault injected at step 35, several times. From the
 logs it measures detection latency (fault -> detected), MTTR (fault -> every rank has
 completed its first step after it), steps lost, and the steady-state step rate of the
 fault-free runs. The torchrun baseline runs the same model with stock DDP under
-``torchrun --max-restarts`` (2 agents on loopback) and ``torch.save`` every 10 steps.
+``torchrun --max-restarts`` (2 agents on loopback) and ``torch.save`` every 10 steps. The
+TorchFT rows (the ``bench`` extra) run it as 2 replica groups x 2 ranks, one torchrun each,
+around a lighthouse the benchmark starts (bench/torchft_train.py).
 
     python bench/recovery.py --repeats 3 --out bench/results/recovery.json
 """
@@ -21,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,14 +152,121 @@ def measure_torchrun(kill: bool) -> dict:
         return result
 
 
+TORCHFT_HEARTBEAT_TIMEOUT_MS = 3000  # as undying's heartbeat_timeout here: the time to give up on a silent group
+
+
+def measure_torchft(kill: bool, min_replicas: int = 1) -> dict:
+    """One run of bench/torchft_train.py: TorchFT, 2 replica groups x 2 ranks, each under its own torchrun."""
+    lighthouse_bin = Path(sys.executable).with_name("torchft_lighthouse")
+    if not lighthouse_bin.exists():
+        raise SystemExit(f"torchft scenarios: {lighthouse_bin} not found; install the bench extra: pip install -e '.[bench]'")
+    with tempfile.TemporaryDirectory(prefix="torchft-bench-") as tmp:
+        log = Path(tmp) / "log.jsonl"
+        lighthouse_port = free_port()
+        lighthouse = subprocess.Popen(
+            [str(lighthouse_bin), "--min_replicas", str(min_replicas), "--bind", f"[::]:{lighthouse_port}",
+             "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
+             "--heartbeat_timeout_ms", str(TORCHFT_HEARTBEAT_TIMEOUT_MS)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env = dict(os.environ, BENCH_LOG=str(log), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
+                   TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lighthouse_port}")
+        started = time.time()
+        groups = []
+        for group in range(2):
+            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                       "--max-restarts", "3", "--monitor-interval", "0.5", "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"torchft-bench-{group}",
+                       str(REPO / "bench" / "torchft_train.py"), "--steps", str(STEPS),
+                       "--min-replicas", str(min_replicas), "--start-barrier", str(Path(tmp) / "barrier")]
+            if kill:
+                command += ["--kill-group", "1", "--kill-rank", "1", "--kill-step", str(FAULT_STEP)]
+            groups.append(subprocess.Popen(command, env=dict(env, BENCH_REPLICA_GROUP=str(group)), cwd=REPO,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        codes = wait_for_groups(groups)
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+        wall = time.time() - started
+        records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return torchft_record(records, codes, wall)
+
+
+def wait_for_groups(groups: list[subprocess.Popen], grace: float = 1.0) -> list[int | None]:
+    """Exit codes of the replica groups' torchruns; None for one the bench stopped. Once a group has
+    finished, the others get ``grace`` seconds: a group still outside the quorum by then would
+    otherwise train the job again on its own."""
+    deadline = time.time() + 600
+    finished_at = None
+    while time.time() < deadline and any(group.poll() is None for group in groups):
+        if finished_at is None and any(group.poll() == 0 for group in groups):
+            finished_at = time.time()
+        if finished_at is not None and time.time() > finished_at + grace:
+            break
+        time.sleep(0.1)
+    stopped = [group.poll() is None for group in groups]
+    for group, stop in zip(groups, stopped, strict=True):
+        if stop:
+            group.terminate()  # torchrun passes it on to its workers
+    codes = [group.wait(timeout=60) for group in groups]
+    return [None if stop else code for code, stop in zip(codes, stopped, strict=True)]
+
+
+def torchft_record(records: list[dict], codes: list[int | None], wall: float) -> dict:
+    """The recovery figures of a TorchFT run from its JSON lines (see bench/torchft_train.py)."""
+    finished = [code for code in codes if code is not None]
+    result: dict = {"exit_code": max(finished, key=abs) if finished else 1, "wall_seconds": round(wall, 3),
+                    "groups_stopped_by_bench": codes.count(None)}
+    steps = [r for r in records if r["event"] == "step"]
+    survivor = {r["step"]: r["time"] for r in steps if r["committed"] and r["group"] == 0 and r["rank"] == 0}
+    if 20 in survivor and STEPS in survivor:
+        result["steps_per_second"] = round((STEPS - 20) / (survivor[STEPS] - survivor[20]), 2)
+    done = [r for r in records if r["event"] == "done"]
+    kills = [r for r in records if r["event"] == "kill"]
+    if not kills:
+        result["final_params_agree"] = len(done) == 4 and len({r["param_sum"] for r in done}) == 1
+        return result
+    fault_time, fault_step, killed_group = kills[0]["time"], kills[0]["step"], kills[0]["group"]
+    # A step the survivors committed just after the kill was in flight before it: "after" is by step number.
+    after = [r for r in steps if r["time"] > fault_time and r["committed"] and r["step"] > fault_step]
+    surviving: dict[int, dict] = {}
+    for r in after:
+        if r["group"] != killed_group:
+            surviving.setdefault(r["rank"], r)
+    if surviving:
+        # TorchFT trains on with the groups left (or waits for the rejoin if it needs both groups).
+        result["continue_seconds"] = round(max(r["time"] for r in surviving.values()) - fault_time, 3)
+        result["steps_lost"] = fault_step - (min(r["step"] for r in surviving.values()) - 1)
+    # Steps the survivors computed and then threw away (should_commit said no).
+    result["discarded_steps"] = len([r for r in steps if r["time"] > fault_time and not r["committed"]
+                                     and r["group"] != killed_group and r["rank"] == 0])
+    # The restarted group is back once each of its ranks has committed a step together with the other group.
+    rejoined: dict[int, dict] = {}
+    for r in after:
+        if r["group"] == killed_group and r["restart"] > kills[0]["restart"] and r["participants"] >= 2:
+            rejoined.setdefault(r["rank"], r)
+    result["rejoined"] = len(rejoined) == 2
+    if len(rejoined) == 2 and len(surviving) == 2:
+        result["mttr_seconds"] = round(max(r["time"] for r in [*rejoined.values(), *surviving.values()])
+                                       - fault_time, 3)
+        result["rejoined_at_step"] = min(r["step"] for r in rejoined.values())
+    # Over the ranks that trained the job to its end: the survivors and a group that rejoined them
+    # (a group back after the others finished has no one to heal from and starts the job over).
+    in_job = [r for r in done if r["group"] != killed_group or (r["restart"] > kills[0]["restart"]
+                                                                and r["rank"] in rejoined)]
+    result["final_params_agree"] = len({r["param_sum"] for r in in_job}) == 1
+    result["restarted_processes"] = len([r for r in records if r["event"] == "start" and r["time"] > fault_time])
+    return result
+
+
 def summarize(runs: list[dict]) -> dict:
     summary: dict = {"runs": len(runs), "failed_runs": sum(1 for run in runs if run["exit_code"] != 0)}
-    for key in ("detect_seconds", "mttr_seconds", "steps_lost", "restarted_processes", "steps_per_second",
-                "wall_seconds"):
+    for key in ("detect_seconds", "continue_seconds", "mttr_seconds", "steps_lost", "restarted_processes",
+                "steps_per_second", "wall_seconds"):
         values = [run[key] for run in runs if key in run]
         if values:
             summary[f"median_{key}"] = round(statistics.median(values), 3)
             summary[f"all_{key}"] = values
+    if any("rejoined" in run for run in runs):
+        summary["rejoined_runs"] = sum(1 for run in runs if run.get("rejoined"))
     stalls = [stall for run in runs for stall in run.get("checkpoint_stall_seconds", [])]
     if stalls:
         summary["median_checkpoint_stall_seconds"] = round(statistics.median(stalls), 4)
@@ -170,14 +281,21 @@ def _cell(summary: dict, key: str) -> str:
 
 
 def markdown_table(results: dict[str, dict]) -> str:
-    """The results as the table docs/benchmarks.md shows (medians; all runs in brackets)."""
-    lines = ["| scenario | runs (failed) | detect s | MTTR s | steps lost | restarted processes | steps/s "
-             "| checkpoint stall s (median) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """The results as the table docs/benchmarks.md shows (medians; all runs in brackets). With TorchFT
+    rows it has two more columns: when the surviving group trained again, and in how many runs the
+    killed group rejoined before the job's last step."""
+    torchft = any("rejoined_runs" in summary for summary in results.values())
+    header = ["scenario", "runs (failed)", "detect s", "MTTR s", "steps lost", "restarted processes", "steps/s",
+              "checkpoint stall s (median)"]
+    if torchft:
+        header += ["survivors training again s", "rejoined (runs)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for name, summary in results.items():
         cells = [_cell(summary, key) for key in ("detect_seconds", "mttr_seconds", "steps_lost",
                                                  "restarted_processes", "steps_per_second")]
         cells.append(str(summary.get("median_checkpoint_stall_seconds", "-")))
+        if torchft:
+            cells += [_cell(summary, "continue_seconds"), str(summary.get("rejoined_runs", "-"))]
         lines.append(f"| {name} | {summary['runs']} ({summary['failed_runs']}) | {' | '.join(cells)} |")
     return "\n".join(lines)
 
@@ -193,14 +311,19 @@ def main() -> None:
         print(markdown_table(json.loads(Path(args.table).read_text())["results"]))
         return
     results: dict[str, dict] = {}
-    plan: list[tuple[str, object]] = [(name, extra) for name, extra in SCENARIOS.items()]
-    plan += [("torchrun + torch.save, fault-free", False), ("torchrun + torch.save, SIGKILL worker", True)]
-    for name, extra in plan:
+    plan: list[tuple[str, Callable[[], dict]]] = [(name, partial(measure_undying, extra))
+                                                  for name, extra in SCENARIOS.items()]
+    plan += [("torchrun + torch.save, fault-free", partial(measure_torchrun, False)),
+             ("torchrun + torch.save, SIGKILL worker", partial(measure_torchrun, True)),
+             ("torchft, fault-free", partial(measure_torchft, False)),
+             ("torchft, SIGKILL worker", partial(measure_torchft, True)),
+             ("torchft, SIGKILL worker, commits need both groups", partial(measure_torchft, True, min_replicas=2))]
+    for name, measure in plan:
         if args.only and not any(part in name for part in args.only):
             continue
         runs = []
         for repeat in range(args.repeats):
-            run = measure_torchrun(extra) if isinstance(extra, bool) else measure_undying(extra)  # type: ignore[arg-type]
+            run = measure()
             runs.append(run)
             print(f"{name} [{repeat + 1}/{args.repeats}]: {json.dumps(run)}", flush=True)
         results[name] = summarize(runs)
