@@ -162,9 +162,11 @@ def is_dcp_shard(ckpt: CommittedCheckpoint) -> bool:
     return any(record.name == DCP_METADATA for record in ckpt.manifest.files)
 
 
-def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False) -> dict[str, Any]:
+def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False, keys: set[str] | None = None) -> dict[str, Any]:
     """The replica state in ``ckpt``'s DCP files, after checking their sizes and CRC-32 against
     the manifest (skipped with ``verified=True``, when the caller just verified the checkpoint).
+    ``keys``: read only these top-level entries (a sharded job's: ``{"undying"}``; each rank reads
+    its own shards itself).
 
     Raises ``CorruptCheckpoint`` if the bytes do not match or DCP cannot read them.
     """
@@ -181,7 +183,7 @@ def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False) -> dict
     try:
         reader = FsspecReader(ckpt.path) if is_url(ckpt.path) else FileSystemReader(ckpt.path)
         _load_state_dict(state, storage_reader=reader,
-                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+                         planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
         return from_dcp(state)
     except Exception as error:  # noqa: BLE001 - any failure to parse verified bytes means unusable
         raise CorruptCheckpoint(f"{ckpt.path}: DCP shard unreadable ({error!r})") from error

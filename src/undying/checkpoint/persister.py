@@ -2,7 +2,8 @@
 
 Runs in the worker, one ``Persister`` (and one thread) per rank. The training thread pins
 a snapshot and submits it; the persister writes it into the checkpoint's staging
-directory (under a URL root: the checkpoint's own directory) (rank 0: the shared shard in DCP format; every rank: its own small rank file),
+directory (under a URL root: the checkpoint's own directory) (rank 0: the shared shard in DCP format; every rank: its own small rank file;
+a sharded job: every rank its shards into one DCP checkpoint, checkpoint/dcp_sharded.py),
 announces its file records in the job's store, and rank 0's persister (the generation's
 first member) commits the checkpoint once every rank's records are there.
 
@@ -22,9 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from undying.checkpoint.dcp_format import materialize, write_shared_shard
+from undying.checkpoint.dcp_format import UNDYING_KEY, materialize, to_dcp, write_shared_shard
+from undying.checkpoint.dcp_sharded import Exchange, save_sharded
 from undying.checkpoint.snapshot import RankSnapshots
 from undying.checkpoint.storage import FileRecord, Location, commit, save_object, staging_dir
 
@@ -85,7 +87,9 @@ class Persister:
     def __init__(self, *, snapshots: RankSnapshots, root: Location, rank: int,
                  store: RecordStore, key_prefix: str, keep: int, param_names: list[list[str]],
                  rank_file: str, records_timeout: float, current_generation: Callable[[], int],
-                 commit_meta: dict[str, object] | None = None) -> None:
+                 commit_meta: dict[str, object] | None = None,
+                 sharded_state: Callable[[dict[str, Any], dict[str, Any] | None], dict[str, Any]] | None = None,
+                 ) -> None:
         self.snapshots = snapshots
         self.root = root
         self.rank = rank
@@ -97,6 +101,9 @@ class Persister:
         self.records_timeout = records_timeout
         self.current_generation = current_generation
         self.commit_meta = dict(commit_meta or {})
+        # A sharded job: (a snapshot's shards, the coordinator's undying extras or None) -> the DCP
+        # state dict every rank saves its part of (checkpoint/dcp_sharded.py). None: data parallel.
+        self.sharded_state = sharded_state
         self._lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
@@ -171,11 +178,19 @@ class Persister:
         state = self.snapshots.read_slot(job.slot, clone=False)
         records: list[FileRecord] = []
         writer = job.members[0]
-        if self.rank == writer:
+        rank_state = state["rank"]
+        if self.sharded_state is not None:
+            # Every rank writes its shards into one DCP checkpoint; the rank file keeps the rest.
+            extras = to_dcp(state["replica"], [])[UNDYING_KEY] if self.rank == writer else None
+            exchange = Exchange(self.store, f"{self._records_key(job)}/dcp", self.rank, list(job.members),
+                                self.records_timeout, lambda: self.current_generation() == job.generation)
+            records += save_sharded(staging, self.sharded_state(rank_state["shards"], extras), exchange)
+            rank_state = {key: value for key, value in rank_state.items() if key != "shards"}
+        elif self.rank == writer:
             records += write_shared_shard(staging, state["replica"], self.param_names)
         if job.fault is not None:
             job.fault()  # an injected fault: the shard is on disk, nothing is committed
-        records.append(save_object(staging, self.rank_file, materialize(state["rank"])))
+        records.append(save_object(staging, self.rank_file, materialize(rank_state)))
         del state  # views into the pinned slot: gone before the slot is unpinned
         key = self._records_key(job)
         self.store.set(f"{key}/{self.rank}", json.dumps([asdict(record) for record in records]))

@@ -152,12 +152,18 @@ def _mesh_groups(model: torch.nn.Module) -> list[tuple[str, Any]]:
     return groups
 
 
+def named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer by every name it has: a tied weight under each of its names, as
+    ``state_dict`` lists it (a checkpoint must load into ``model.state_dict()``)."""
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+
+
 def local_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's part of each parameter and buffer, by name: a DTensor's local shard (the storage
     FSDP trains), a plain tensor as it is."""
     reshard(module)
     tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+    for name, tensor in named_tensors(module):
         tensors[name] = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
     return tensors
 

@@ -30,7 +30,7 @@ from undying.checkpoint import (
     root_location,
 )
 from undying.checkpoint.copy import updated_only_by
-from undying.checkpoint.dcp_format import is_dcp_shard, optimizer_param_names, read_shared_shard
+from undying.checkpoint.dcp_format import UNDYING_KEY, is_dcp_shard, optimizer_param_names, read_shared_shard
 from undying.checkpoint.manifest import NUMERICS_KEY
 from undying.checkpoint.persister import Persister, PersistResult
 from undying.checkpoint.snapshot import RankSnapshots, SnapshotUnavailable
@@ -40,6 +40,7 @@ from undying.runtime.devices import numerics_differences, numerics_record
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
 from undying.runtime.reporter import Reporter
+from undying.runtime.sharded_checkpoint import DcpLayout
 from undying.runtime.state_transfer import broadcast_state
 from undying.runtime.training_state import TrainingState
 from undying.shm import node_dir
@@ -109,6 +110,7 @@ class CheckpointEngine:
         self.root = root
         self._persister: Persister | None = None
         self._param_names: list[list[str]] | None = None
+        self._sharded_layout: DcpLayout | None = None  # a sharded job's T2 layout (``_dcp_layout``)
         self._stalls: dict[int, float] = {}  # checkpoint step -> its snapshot's seconds, until reported
         self._waited: dict[int, float] = {}  # step -> seconds its save waited for the previous one
         self._copying: int | None = None  # the step of an overlapped snapshot whose copy may still run
@@ -237,8 +239,16 @@ class CheckpointEngine:
                 rank_file=rank_state_file(membership.rank),
                 records_timeout=self._records_timeout,
                 current_generation=lambda: membership.generation,
-                commit_meta={"node": membership.node, NUMERICS_KEY: self.numerics})
+                commit_meta={"node": membership.node, NUMERICS_KEY: self.numerics},
+                sharded_state=self._dcp_layout().state_dict if self.state.sharded else None)
         return self._persister
+
+    def _dcp_layout(self) -> DcpLayout:
+        """A sharded job's DCP keys and placements, taken once from the live models."""
+        if self._sharded_layout is None:
+            self._sharded_layout = DcpLayout([model.module for model in self.state.models],
+                                             list(self.state.optimizers))
+        return self._sharded_layout
 
     def _persister_store(self) -> torch.distributed.Store | BoundedStore:
         address = self.membership.store_address
@@ -312,8 +322,12 @@ class CheckpointEngine:
             checkpoint = next(c for c in list_committed(self.root) if c.step == step)
             if reports:
                 self._report_numerics(checkpoint, [each["numerics"] for each in reports])
+            rank_state: dict[str, Any] = {}
             if _written_by(checkpoint) == membership.members:
-                training.load_rank_state(load_object(checkpoint, rank_state_file(membership.rank)))
+                rank_state = load_object(checkpoint, rank_state_file(membership.rank))
+                training.load_rank_state(rank_state)
+            if training.sharded and "shards" not in rank_state:
+                self._dcp_layout().load(checkpoint)  # this rank's part of every shard, whatever mesh wrote it
             self.snapshots.invalidate()
             details = {"path": str(checkpoint.path), "dump": bool(checkpoint.manifest.meta.get("dump"))}
         else:
@@ -367,7 +381,9 @@ class CheckpointEngine:
 
     def _read_shard(self, checkpoint: CommittedCheckpoint) -> dict[str, Any]:
         if is_dcp_shard(checkpoint):
-            state = read_shared_shard(checkpoint, verified=True)  # latest_verified just checked every file
+            # latest_verified just checked every file. A sharded job's ranks read their shards themselves.
+            keys = {UNDYING_KEY} if self.state.sharded else None
+            state = read_shared_shard(checkpoint, verified=True, keys=keys)
         else:
             state = load_object(checkpoint, LEGACY_SHARED_FILE)
         state["committed_step"] = checkpoint.step

@@ -196,10 +196,7 @@ class TrainingState:
         if state.get("rng"):
             restore_rng(state["rng"])
         self._load_stateful_states(state.get("statefuls", {}))
-        if self.sharded:
-            if "shards" not in state:
-                raise RuntimeError("this checkpoint holds no shards: it was written by a job that did not shard "
-                                   "its model (ft.device_mesh)")
+        if self.sharded and "shards" in state:  # a T1 snapshot's; a T2 checkpoint keeps them in DCP files
             self.load_shard_state(state["shards"])
 
     def shard_state(self) -> dict[str, Any]:
