@@ -59,6 +59,9 @@ ELASTIC_GROW = "elastic_grow"  # a returned node's ranks rejoined: back to more 
 PERSIST_FAILED = "persist_failed"  # a background T2 write gave up (reason); the job trains on
 SNAPSHOT_UNAVAILABLE = "snapshot_unavailable"  # node shared memory could not hold a snapshot: private memory used
 SNAPSHOT_PAGEABLE = "snapshot_pageable"  # CUDA would not page-lock a T1 slot: device-to-host copies are slower
+# snapshot_interval: auto changed the interval (interval, previous; the means it was chosen from: stall,
+# step_seconds, and the cost that gives against the budget). Every rank emits it, at the same step.
+SNAPSHOT_INTERVAL = "snapshot_interval"
 CONTROLLER_LEADER = "controller_leader"  # a candidate won the etcd election (address, candidate id, node)
 CONTROLLER_TAKEOVER = "controller_takeover"  # the new leader carries on from the saved state (previous state)
 CONTROLLER_DEPOSED = "controller_deposed"  # a leader lost its etcd lease and stopped deciding

@@ -103,7 +103,8 @@ def test_world_size_and_process_level_strategies() -> None:
         ("nproc_per_node", [1], [0], ">= 1"),
         ("checkpoint.interval", [1], [0, -1], ">= 1"),
         ("checkpoint.keep", [1], [0], ">= 1"),
-        ("checkpoint.snapshot_interval", [0], [-1], ">= 0"),
+        ("checkpoint.snapshot_interval", [0], [-1], "an integer >= 0, or auto"),
+        ("checkpoint.snapshot_budget", [0.001, 0.999], [0, 1, -0.5], "> 0 and < 1"),
         ("checkpoint.snapshot_slots", [2, 8], [1, 9], "2..8"),
     ],
 )
@@ -223,7 +224,7 @@ def test_unknown_top_level_field_lists_every_field() -> None:
 def test_nested_checkpoint_errors_use_dotted_path() -> None:
     assert str(spec_error({"checkpoint.bogus": 3})) == (
         "job spec: checkpoint.bogus: unknown field; allowed: dir, interval, keep, snapshot_interval, "
-        "snapshot_slots, overlap (got 3)"
+        "snapshot_budget, snapshot_slots, overlap (got 3)"
     )
     assert str(spec_error({"checkpoint.interval": "often"})) == (
         "job spec: checkpoint.interval: not an integer; allowed: >= 1 (got 'often')"
@@ -239,7 +240,7 @@ def test_nested_checkpoint_errors_use_dotted_path() -> None:
     assert "unknown fsspec protocol 'nosuch'" in str(spec_error({"checkpoint.dir": "simplecache::nosuch://b"}))
     assert str(spec_error({"checkpoint": 5})) == (
         "job spec: checkpoint: not a mapping; allowed: a mapping with keys: dir, interval, keep, "
-        "snapshot_interval, snapshot_slots, overlap (got 5)"
+        "snapshot_interval, snapshot_budget, snapshot_slots, overlap (got 5)"
     )
 
 

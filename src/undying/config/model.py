@@ -18,6 +18,7 @@ from undying.strategy_names import SPEC_STRATEGIES, StrategyName
 # values) rather than the enum itself, so that job-restart, never listed, is an unknown strategy.
 SpecStrategy = Literal[SPEC_STRATEGIES]  # type: ignore[valid-type]
 STRATEGIES: tuple[StrategyName, ...] = SPEC_STRATEGIES
+SNAPSHOT_INTERVAL_AUTO = "auto"  # checkpoint.snapshot_interval chosen as the job runs
 
 
 def _reject_bool(value: Any) -> Any:
@@ -42,7 +43,9 @@ class CheckpointSpec(BaseModel):
 
     ``interval``: steps between T2 checkpoints (persisted in the background).
     ``snapshot_interval``: steps between T1 snapshots into node shared memory (0: only at
-    T2 checkpoint steps). ``snapshot_slots``: T1 slots per rank, each the size of the rank's
+    T2 checkpoint steps; ``auto``: chosen as the job runs so that snapshots cost at most
+    ``snapshot_budget`` of the training time, runtime/snapshot_cadence.py). ``snapshot_budget``:
+    that fraction, in (0, 1) (default 0.02); read only with ``auto``. ``snapshot_slots``: T1 slots per rank, each the size of the rank's
     state; with 2, while the persister holds one the other is rewritten each time (a torn write
     falls back to the persisted step), with 3 a torn write falls back to the previous step.
     ``overlap``: ``on`` copies the parameters and optimizer state of a snapshot in the
@@ -56,13 +59,27 @@ class CheckpointSpec(BaseModel):
     dir: str | None = None
     interval: int = Field(100, ge=1)
     keep: int = Field(2, ge=1)
-    snapshot_interval: int = Field(1, ge=0)
+    snapshot_interval: int | Literal["auto"] = 1
+    snapshot_budget: float = Field(0.02, gt=0, lt=1)
     snapshot_slots: int = Field(2, ge=2, le=8)
     overlap: Literal["auto", "on", "off"] = "auto"
 
-    _reject_bool_numbers = field_validator("interval", "keep", "snapshot_interval", "snapshot_slots",
+    _reject_bool_numbers = field_validator("interval", "keep", "snapshot_budget", "snapshot_slots",
                                            mode="before")(_reject_bool)
     _on_off_from_yaml_bool = field_validator("overlap", mode="before")(_on_off_from_bool)
+
+    @field_validator("snapshot_interval", mode="before")
+    @classmethod
+    def _count_or_auto(cls, value: Any) -> Any:
+        # Checked here in full: pydantic's own errors for a union name each member, not the field.
+        allowed = "an integer >= 0, or auto"
+        if value == SNAPSHOT_INTERVAL_AUTO:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise spec_rule("not an integer or auto", allowed, value)
+        if value < 0:
+            raise spec_rule("out of range", allowed, value)
+        return value
 
     @field_validator("dir")
     @classmethod

@@ -26,7 +26,7 @@ class StoreTimeout(RuntimeError):
 
 
 class BoundedStore:
-    """set/get/check/delete_key of a lazily connected store, each bounded by ``timeout``."""
+    """set/get/check/delete_key/add of a lazily connected store, each bounded by ``timeout``."""
 
     def __init__(self, connect: Callable[[], dist.Store], timeout: float, name: str = "store") -> None:
         self._connect = connect
@@ -61,6 +61,9 @@ class BoundedStore:
 
     def delete_key(self, key: str) -> bool:
         return self._call(lambda store: store.delete_key(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call(lambda store: store.add(key, amount))
 
 
 def connect_bounded(host: str, port: int, timeout: float, name: str) -> BoundedStore:

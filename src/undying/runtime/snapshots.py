@@ -35,12 +35,14 @@ from undying.checkpoint.manifest import NUMERICS_KEY
 from undying.checkpoint.persister import Persister, PersistResult
 from undying.checkpoint.snapshot import RankSnapshots, SnapshotUnavailable
 from undying.config import JobSpec
+from undying.config.model import SNAPSHOT_INTERVAL_AUTO
 from undying.runtime.bounded_store import BoundedStore, connect_bounded
 from undying.runtime.devices import numerics_differences, numerics_record
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
 from undying.runtime.reporter import Reporter
 from undying.runtime.sharded_checkpoint import DcpLayout
+from undying.runtime.snapshot_cadence import SnapshotCadence
 from undying.runtime.state_transfer import broadcast_state
 from undying.runtime.training_state import TrainingState
 from undying.shm import node_dir
@@ -73,7 +75,8 @@ class CheckpointEngine:
     Guarantees:
 
     - At every ``snapshot_interval``-th committed step (and at every checkpoint step) the
-      rank's committed state is copied into its T1 slots; the training thread stalls for
+      rank's committed state is copied into its T1 slots (``auto``: the interval in force,
+      the same on every rank, runtime/snapshot_cadence.py); the training thread stalls for
       that copy only, and with ``checkpoint.overlap`` only for the part that the next step
       could change before its optimizer step (the rest overlaps that step's forward,
       backward and gradient sync; ``settle`` waits for it). At every ``interval``-th step
@@ -121,6 +124,11 @@ class CheckpointEngine:
         # directory; a standalone run snapshots into private memory.
         self.directory: Path | None = node_dir(job_id, membership.node) if job_id else None
         self._snapshots: RankSnapshots | None = None
+        # snapshot_interval: a number of steps, or auto: chosen as the job runs, the same on every rank.
+        auto = self.spec.snapshot_interval == SNAPSHOT_INTERVAL_AUTO
+        self._fixed_interval = 0 if auto else int(self.spec.snapshot_interval)
+        self._cadence = SnapshotCadence.for_job(self.spec, membership) if auto else None
+        self._timed_snapshot: tuple[int, float, float] | None = None  # step, call's seconds, the copy's part
 
     @property
     def snapshots(self) -> RankSnapshots:
@@ -145,11 +153,37 @@ class CheckpointEngine:
 
     def at_commit(self, step: int) -> None:
         """Snapshot and/or persist as the knobs say, and report finished persistence jobs."""
+        if self._cadence is not None:
+            self._pace(self._cadence, step)
         if step % self.spec.interval == 0:
             self.save(step)
-        elif self.spec.snapshot_interval and step % self.spec.snapshot_interval == 0:
+        elif self._cadence is not None and self._cadence.due(step):
+            started = time.perf_counter()
+            if self.snapshot(step):
+                self._timed_snapshot = (step, time.perf_counter() - started, self._stall)
+        elif self._fixed_interval and step % self._fixed_interval == 0:
             self.snapshot(step)
         self._report_results()
+
+    def _pace(self, cadence: SnapshotCadence, step: int) -> None:
+        """``auto``: hand the cadence the step that just committed, and emit its change of interval.
+
+        What the snapshot taken at the previous commit cost the training thread: the call itself
+        plus, overlapped, the optimizer step's wait for the copy (``settle`` added it to
+        ``last_stall``). The step after a checkpoint is not timed: its save may have waited for the
+        persister, and a snapshot still copying (no optimizer step since) has no cost yet."""
+        timed, self._timed_snapshot = self._timed_snapshot, None
+        stall = None
+        if timed is not None and self._copying is None:  # timed is the previous step's snapshot, if any
+            stall = timed[1] + max(0.0, self.last_stall - timed[2])
+        untimed = (step - 1) % self.spec.interval == 0 or (timed is not None and stall is None)
+        membership = self.membership
+        change = cadence.committed(step, membership.generation, membership.group_rank, membership.replicas,
+                                   stall=stall, timed=not untimed)
+        if change is not None:
+            self.reporter.emit(ev.SNAPSHOT_INTERVAL, step=step, interval=change.interval, previous=change.previous,
+                               stall=round(change.stall_seconds, 6), step_seconds=round(change.step_seconds, 6),
+                               cost=round(change.cost, 5), budget=cadence.budget)
 
     def snapshot(self, step: int) -> bool:
         """Copy the committed state into T1; False if every other slot was pinned (skipped).

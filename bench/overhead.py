@@ -1,0 +1,227 @@
+"""Steady-state overhead: the same GPT under torchrun + stock DDP and under undying, fault-free.
+
+Three sizes of the example GPT (examples/gpt; n_layer x n_embd: 2x48, 4x256, 8x384), about 40,
+200 and 500 ms per step with 4 ranks on a quiet 2-core machine, each under three configurations,
+run interleaved (every configuration of every size once, then all again, ``--repeats`` times) so
+that a change in the machine's load falls on all of them alike:
+
+- ``torchrun``: stock ``DistributedDataParallel`` and AdamW, started by ``torchrun --standalone``
+  (this file's ``--torchrun-worker`` mode), no checkpoints;
+- ``undying, snapshot every step``: examples/gpt/train.py under ``undying run``, a T1 snapshot at
+  every step (``checkpoint.snapshot_interval: 1``), warm standby on;
+- ``undying, snapshot auto``: the same with ``snapshot_interval: auto`` (budget 2 %).
+
+Every job has 4 ranks on one node, batch 4 x 32 tokens per rank, one thread per rank. No T2
+checkpoint falls in the runs (the checkpoint interval is longer than the run). The step rate is
+rank 0's, over the steps from ``WARMUP_STEPS`` (after ``auto`` has decided once) to the last:
+torchrun's from its per-step times, undying's from the controller's heartbeat events (rank 0's
+committed step, logged at most every 0.5 s, each at most 0.1 s after its step). The overhead of a
+configuration is its median step time against torchrun's, in percent.
+
+    python bench/overhead.py --repeats 2 --out bench/results/overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GPT_DIR = REPO / "examples" / "gpt"
+sys.path.insert(0, str(REPO / "src"))
+from undying import events as ev  # noqa: E402
+from undying.events import read_events  # noqa: E402
+
+RANKS = 4
+WARMUP_STEPS = 45  # auto's first decision is at step 40 (two rounds of 20 steps)
+NO_T2 = 100_000  # checkpoint interval: longer than any run here
+BUDGET = 0.02
+# n_layer x n_embd -> (n_layer, n_embd, n_head, steps). With 4 ranks on 2 quiet cores the steps take
+# about 40, 200 and 500 ms (measured under a load average of 16: 51, 360 and 1600 ms); the step counts
+# leave a measured window of about 6-15 s on a quiet machine.
+SIZES: dict[str, tuple[int, int, int, int]] = {
+    "2x48": (2, 48, 2, 200),
+    "4x256": (4, 256, 4, 100),
+    "8x384": (8, 384, 6, 60),
+}
+CONFIGS = ("torchrun", "undying, snapshot every step", "undying, snapshot auto")
+RUN_TIMEOUT_S = 900
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def rate(times: dict[int, float], first: int) -> float | None:
+    """Steps per second between the first recorded step >= ``first`` and the last one."""
+    steps = sorted(step for step in times if step >= first)
+    if len(steps) < 2 or times[steps[-1]] <= times[steps[0]]:
+        return None
+    return (steps[-1] - steps[0]) / (times[steps[-1]] - times[steps[0]])
+
+
+def model_args(size: str) -> list[str]:
+    n_layer, n_embd, n_head, steps = SIZES[size]
+    return ["--steps", str(steps), "--n-layer", str(n_layer), "--n-embd", str(n_embd), "--n-head", str(n_head)]
+
+
+def run_torchrun(size: str, work: Path) -> dict:
+    log = work / "steps.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
+               str(Path(__file__).resolve()), "--torchrun-worker", "--times-file", str(log), *model_args(size)]
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    times = {int(step): at for step, at in json.loads(log.read_text()).items()} if log.exists() else {}
+    return {"exit_code": result.returncode, "steps_per_second": rate(times, WARMUP_STEPS)}
+
+
+def run_undying(size: str, interval: str, work: Path) -> dict:
+    run_dir = work / "run"
+    command = [sys.executable, "-m", "undying.cli", "run", "--nnodes", "1", "--nproc-per-node", str(RANKS),
+               "--checkpoint-interval", str(NO_T2), "--set", "warm_standby=true",
+               "--set", f"checkpoint.snapshot_interval={interval}", "--set", f"checkpoint.snapshot_budget={BUDGET}",
+               "--quiet", "--run-dir", str(run_dir), str(GPT_DIR / "train.py"), *model_args(size),
+               "--log-every", str(NO_T2)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    events = read_events(run_dir) if (run_dir / ev.EVENTS_FILE).exists() else []
+    beats = {event.step: event.time for event in events
+             if event.kind == ev.HEARTBEAT and event.rank == 0 and event.step is not None}
+    changes = [{"step": event.step, "interval": event.details["interval"], "stall": event.details["stall"],
+                "step_seconds": event.details["step_seconds"]}
+               for event in events if event.kind == ev.SNAPSHOT_INTERVAL and event.rank == 0]
+    record: dict = {"exit_code": result.returncode, "steps_per_second": rate(beats, WARMUP_STEPS)}
+    if changes:
+        record["interval_changes"] = changes
+    if result.returncode != 0:
+        record["output_tail"] = result.stdout[-2000:]
+    return record
+
+
+def run_once(size: str, config: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="undying-overhead-") as tmp:
+        load = load_average()
+        started = time.time()
+        if config == "torchrun":
+            record = run_torchrun(size, Path(tmp))
+        else:
+            record = run_undying(size, "auto" if config.endswith("auto") else "1", Path(tmp))
+        record.update(size=size, config=config, wall_seconds=round(time.time() - started, 1),
+                      load_before=load, load_after=load_average())
+        if record["steps_per_second"] is not None:
+            record["step_ms"] = round(1000 / record["steps_per_second"], 2)
+            record["steps_per_second"] = round(record["steps_per_second"], 3)
+        return record
+
+
+def summarize(runs: list[dict]) -> dict:
+    summary: dict = {}
+    for size in dict.fromkeys(run["size"] for run in runs):
+        rows: dict = {}
+        for config in CONFIGS:
+            rates = [run["steps_per_second"] for run in runs
+                     if (run["size"], run["config"]) == (size, config) and run["steps_per_second"]]
+            if rates:
+                median = statistics.median(rates)
+                rows[config] = {"runs": len(rates), "median_steps_per_second": round(median, 3),
+                                "median_step_ms": round(1000 / median, 2)}
+        baseline = rows.get("torchrun")
+        for config, row in rows.items():
+            if baseline and config != "torchrun":
+                row["overhead_percent"] = round(100 * (baseline["median_steps_per_second"]
+                                                       / row["median_steps_per_second"] - 1), 2)
+        summary[size] = rows
+    return summary
+
+
+def print_table(summary: dict) -> None:
+    print(f"{'size':>6} {'configuration':<30} {'steps/s':>8} {'step ms':>8} {'overhead':>9}")
+    for size, rows in summary.items():
+        for config, row in rows.items():
+            overhead = f"{row['overhead_percent']:+.1f} %" if "overhead_percent" in row else "-"
+            print(f"{size:>6} {config:<30} {row['median_steps_per_second']:>8} {row['median_step_ms']:>8} "
+                  f"{overhead:>9}")
+
+
+def torchrun_worker(args: argparse.Namespace) -> None:
+    """One rank of the baseline: the example's GPT under stock DDP, rank 0 logging each step's end."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, str(GPT_DIR))
+    from data import CharDataset
+    from model import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dataset = CharDataset((GPT_DIR / "input.txt").read_text(), 32)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(GPT(GPTConfig(vocab_size=dataset.vocab_size, block_size=32, n_layer=args.n_layer,
+                                                  n_head=args.n_head, n_embd=args.n_embd)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
+    ended: dict[int, float] = {}
+    for step in range(args.steps):
+        batch = [dataset[int(i)] for i in order[(step * world + rank) * 4:(step * world + rank + 1) * 4]]
+        _, loss = model(torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch]))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ended[step + 1] = time.time()
+    if rank == 0:
+        Path(args.times_file).write_text(json.dumps(ended))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ", ".join(SIZES))
+    parser.add_argument("--out", default=None, help="write the runs and the summary here (JSON)")
+    parser.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--times-file", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--n-layer", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--n-embd", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--n-head", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.torchrun_worker:
+        torchrun_worker(args)
+        return
+    sizes = [size for size in args.sizes.split(",") if size]
+    unknown = [size for size in sizes if size not in SIZES]
+    if unknown:
+        raise SystemExit(f"--sizes: unknown size {unknown[0]!r}; allowed: {', '.join(SIZES)}")
+    runs: list[dict] = []
+    for repeat in range(args.repeats):
+        for size in sizes:
+            for config in CONFIGS:
+                record = run_once(size, config)
+                record["repeat"] = repeat
+                runs.append(record)
+                print(json.dumps(record), flush=True)
+                if args.out:  # after every run: an interrupted benchmark keeps what it measured
+                    write_results(Path(args.out), sizes, runs)
+    print_table(summarize(runs))
+
+
+def write_results(path: Path, sizes: list[str], runs: list[dict]) -> None:
+    payload = {"command": "python bench/overhead.py " + " ".join(sys.argv[1:]), "ranks": RANKS,
+               "warmup_steps": WARMUP_STEPS, "budget": BUDGET,
+               "sizes": {size: dict(zip(("n_layer", "n_embd", "n_head", "steps"), SIZES[size], strict=True))
+                         for size in sizes},
+               "summary": summarize(runs), "runs": runs}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
