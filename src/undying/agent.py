@@ -2,9 +2,10 @@
 
 Runs in its own process (``python -m undying.agent`` for a simulated node, or inside
 ``undying run --node-rank R`` on a real one). It polls its workers every
-``monitor_interval`` seconds, reports their exits (code or signal) in each poll,
-and on orders starts a generation's workers, stops them, or exits. Workers share
-the agent's process group and die with it, as on a real node. A spare agent
+``monitor_interval`` seconds and reports their exits (code or signal) in each poll, reports
+an exit or a stopped worker (SIGSTOP: a hang) the moment it sees it, and on orders starts
+a generation's workers, stops them, or exits. Workers share the agent's process group and
+die with it, as on a real node. A spare agent
 (``--standby``) holds no ranks until the controller orders it to adopt a lost
 node's place; it then says hello as that node and serves its ranks.
 """
@@ -42,6 +43,7 @@ from undying.protocol import (
 )
 from undying.shm import claim_node_dir, remove_node_dir, remove_stale
 from undying.standby import can_serve
+from undying.stopped_workers import STOPPED_CHECK_EVERY, StoppedWorkers
 from undying.worker_env import ENV_INJECT, ENV_SPEC, ENV_TOKEN, WorkerEnv
 
 ENV_DIE_WITH_PARENT = "UNDYING_AGENT_DIE_WITH_PARENT"
@@ -93,6 +95,7 @@ class Agent:
         # starts every rank of the node from one.
         self.standby_target = spec.nproc_per_node
         self.standby_due: float | None = None  # when to pre-start the next warm standby
+        self.stopped_workers = StoppedWorkers()
         self._stopping = False
         self._leaving: str | bool = False  # the signal that stopped this agent before the job ended
 
@@ -108,6 +111,7 @@ class Agent:
         try:
             self._hello()
             self._claim_shared_memory()
+            threading.Thread(target=self._watch_stopped, name="watch-stopped", daemon=True).start()
             return self._loop()
         except AgentStopped:
             self._announce_leave()
@@ -234,11 +238,15 @@ class Agent:
         statuses = []
         for rank, process in list(self.workers.items()):
             code = process.poll()
+            if code is not None:
+                state = WorkerState.EXITED
+            elif self.stopped_workers.is_stopped(process.pid):
+                state = WorkerState.STOPPED
+            else:
+                state = WorkerState.RUNNING
             statuses.append(WorkerStatus(
                 rank=rank, local_rank=self.local_ranks[rank], pid=process.pid,
-                generation=self.worker_generations[rank],
-                state=WorkerState.RUNNING if code is None else WorkerState.EXITED,
-                exitcode=code, signal=signal_name(code)))
+                generation=self.worker_generations[rank], state=state, exitcode=code, signal=signal_name(code)))
         return statuses
 
     def _start_workers(self, order: Order) -> None:
@@ -295,8 +303,9 @@ class Agent:
             process = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        preexec_fn=die_with_parent)
         log.close()
-        self.workers[rank] = process
+        # Its generation first: the reporting threads read both for every rank in ``workers``.
         self.worker_generations[rank] = order.generation
+        self.workers[rank] = process
         threading.Thread(target=self._report_exit, args=(rank, process), name=f"wait-rank{rank}",
                          daemon=True).start()
 
@@ -305,7 +314,21 @@ class Agent:
         process.wait()
         if self._stopping or self.workers.get(rank) is not process:
             return
-        status = [s.to_dict() for s in self._statuses() if s.rank == rank]
+        self._report([rank])
+
+    def _watch_stopped(self) -> None:
+        """Tell the controller the moment a worker is stopped (or continued), instead of it waiting
+        out heartbeat_timeout: the agent's own poll may be held for monitor_interval."""
+        while not self._stopping:
+            running = {rank: process.pid for rank, process in list(self.workers.items()) if process.poll() is None}
+            changed = self.stopped_workers.observe(running, time.monotonic())
+            if changed and not self._stopping:
+                self._report(changed)
+            time.sleep(STOPPED_CHECK_EVERY)
+
+    def _report(self, ranks: list[int]) -> None:
+        """The statuses of ``ranks`` on a connection of their own (the main one is held by the poll)."""
+        status = [s.to_dict() for s in self._statuses() if s.rank in ranks]
         client = ControllerClient(self.controller_address, self.token, timeout=5.0, locator=self.locator)
         try:
             client.post(ROUTE_AGENT_REPORT, AgentPoll(self.node, self.generation, status, wait=0.0,

@@ -69,6 +69,7 @@ class WorkerState(StrEnum):
     """A worker process as its agent sees it."""
 
     RUNNING = "running"
+    STOPPED = "stopped"  # alive but stopped by a signal (SIGSTOP): a hang, seen by its agent
     EXITED = "exited"
 
 
@@ -156,7 +157,7 @@ class WorkerStatus(Message):
     local_rank: int
     pid: int
     generation: int
-    state: str  # WorkerState.RUNNING or WorkerState.EXITED
+    state: str  # a WorkerState
     exitcode: int | None = None
     signal: str | None = None
 

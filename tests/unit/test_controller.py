@@ -913,3 +913,59 @@ def test_with_fault_scheduling_off_the_job_ends_after_its_dying_checkpoint(make_
     assert job.events(ev.RESTART_BEGIN) == []
     [end] = job.events(ev.JOB_END)
     assert "fault_scheduling is off" in json.dumps(end.details), end.details
+
+
+# ---------------------------------------------------------------- stopped workers (a hang its agent sees)
+
+
+def report_state(job: Job, rank: int, state: str, generation: int = 1) -> None:
+    """The agent's immediate report that ``rank``'s process is stopped (SIGSTOP) or running again."""
+    status = WorkerStatus(rank, rank % job.spec.nproc_per_node, 2000 + rank, generation, state)
+    job.controller.report(AgentPoll(rank // job.spec.nproc_per_node, generation, [status.to_dict()]))
+
+
+def test_a_worker_its_agent_sees_stopped_is_restarted_in_place_without_waiting_out_its_heartbeats(make_job):
+    """A stopped process will not beat again: its agent's report is the hang, acted on at once."""
+    job = recovering_job(make_job, heartbeat_timeout=30.0)
+    reported_at = job.now()
+    report_state(job, 2, WorkerState.STOPPED)
+    assert job.wait_for(lambda: bool(job.events(ev.DECISION)), timeout=1.0)
+    assert job.now() - reported_at < job.spec.heartbeat_timeout
+    [fault] = job.events(ev.FAULT_DETECTED)
+    assert (fault.details["reason"], fault.rank) == ("heartbeat_missed", 2)
+    assert "stopped" in fault.details["detail"]
+    [decision] = job.events(ev.DECISION)
+    assert (decision.details["strategy"], decision.details["lost_ranks"]) == ("recover-in-place", [2])
+
+
+def test_a_stopped_worker_is_only_reported_with_watchdog_detect_only(make_job):
+    job = recovering_job(make_job, heartbeat_timeout=30.0, watchdog="detect-only")
+    report_state(job, 2, WorkerState.STOPPED)
+    job.advance(0.5)
+    assert job.events(ev.FAULT_DETECTED) == []
+    [suspected] = job.events(ev.HANG_SUSPECTED)
+    assert suspected.rank == 2
+    assert job.controller.state is JobState.RUNNING
+
+
+def test_a_continued_worker_or_a_stopped_older_process_is_no_fault(make_job):
+    job = recovering_job(make_job, heartbeat_timeout=30.0)
+    report_state(job, 2, WorkerState.STOPPED)
+    report_state(job, 2, WorkerState.RUNNING)  # SIGCONT before the controller's next tick
+    report_state(job, 3, WorkerState.STOPPED, generation=0)  # not the process that serves rank 3 now
+    job.advance(0.5)
+    assert job.events(ev.FAULT_DETECTED) == []
+    assert job.controller.state is JobState.RUNNING
+
+
+def test_a_job_restart_waits_until_a_stopped_worker_is_gone(make_job):
+    """A stopped process is alive: the restart must not start the next generation beside it."""
+    job = make_job(nnodes=2, nproc_per_node=1, heartbeat_timeout=30.0)
+    job.start_running()
+    report_state(job, 1, WorkerState.STOPPED)
+    assert job.next_order(0, 1, job.statuses(0, 1)).kind == OrderKind.STOP
+    job.poll(0, 1, job.statuses(0, 1, WorkerState.EXITED, -9, "SIGKILL"))
+    job.advance(0.5)
+    assert job.controller.state is JobState.STOPPING
+    job.poll(1, 1, job.statuses(1, 1, WorkerState.EXITED, -9, "SIGKILL"))
+    job.wait_state(JobState.RESTARTING)

@@ -1,11 +1,11 @@
 """Fault detection: turns what agents and workers reported (or failed to report) into faults.
 
 Runs in the controller, inside the job machine. Sources: a worker's exit (agent poll or its
-immediate report), a lost agent (no poll, or the launcher saw its process end), missed
-heartbeats (a hang), a rank whose heartbeats go on but whose step does not move
-(``step_timeout``), no first heartbeat within ``start_timeout``, a rank that said it finished
-but does not exit, and a worker's own report that its step failed, held briefly so the
-decision is made on the real cause.
+immediate report), a lost agent (no poll, or the launcher saw its process end), a worker its
+agent sees stopped (SIGSTOP: a hang, acted on at once), missed heartbeats (any other hang), a
+rank whose heartbeats go on but whose step does not move (``step_timeout``), no first heartbeat
+within ``start_timeout``, a rank that said it finished but does not exit, and a worker's own
+report that its step failed, held briefly so the decision is made on the real cause.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class FaultDetector:
         self.pending: list[Fault] = []  # faults seen outside the per-rank scan (a lost node)
         self.step_failures: list[tuple[float, Fault]] = []
         self.reported_failures: set[tuple[int, int]] = set()  # (rank, generation) step failures seen
+        self.stopped: dict[int, int] = {}  # rank -> spawn generation of its process its agent sees stopped
 
     def clear(self) -> None:
         self.pending.clear()
@@ -43,6 +44,10 @@ class FaultDetector:
         record = self.membership.ranks.get(status.rank)
         if record is None or status.generation != record.spawn_generation or record.exitcode is not None:
             return
+        if status.state == WorkerState.STOPPED:
+            self.stopped[status.rank] = status.generation
+            return
+        self.stopped.pop(status.rank, None)  # continued (SIGCONT), or exited
         if status.state != WorkerState.EXITED:
             return
         record.exitcode = status.exitcode if status.exitcode is not None else -1
@@ -150,12 +155,16 @@ class FaultDetector:
             if record.done_at is not None and now - record.done_at > self.deadlines.stop:
                 return Fault(FaultReason.EXIT_TIMEOUT, **_where(record))
             return None
-        if record.last_heartbeat is None:
+        hang = None
+        if self.stopped.get(record.rank) == record.spawn_generation:
+            # Its agent sees the process stopped: it will not beat again, so waiting out the
+            # heartbeat timeout would only delay the same decision.
+            hang = Fault(FaultReason.HEARTBEAT_MISSED, detail="its process is stopped (SIGSTOP)", **_where(record))
+        elif record.last_heartbeat is None:
             if now - record.started_at > self.deadlines.start:
                 return Fault(FaultReason.START_TIMEOUT, **_where(record))
             return None
-        hang = None
-        if now - record.last_heartbeat > self.deadlines.heartbeat:
+        elif now - record.last_heartbeat > self.deadlines.heartbeat:
             hang = Fault(FaultReason.HEARTBEAT_MISSED, **_where(record))
         elif self._stalled(record, now):
             # Alive (its heartbeat thread beats) but its training thread commits no step.

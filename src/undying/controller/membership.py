@@ -32,7 +32,8 @@ class NodeRecord:
     disconnected_since: float | None = None  # its poll connection closed then, and it has not polled since
 
     def running_workers(self) -> list[WorkerStatus]:
-        return [status for status in self.workers.values() if status.state == WorkerState.RUNNING]
+        # A stopped (SIGSTOP) process is alive too: it holds its rank until its agent kills it.
+        return [status for status in self.workers.values() if status.state != WorkerState.EXITED]
 
     def polled_by_owner(self, pid: int, hostname: str) -> bool:
         """The poll comes from the agent that holds the node's place (not one that was away while a

@@ -1,9 +1,11 @@
 """The worker's line to the controller: a heartbeat thread and synchronous event sends.
 
-Runs in the worker. The heartbeat thread sends (step, phase) every
-``heartbeat_interval``; it stops when the process is stopped or dead, which is how
-the controller tells a hang (SIGSTOP) from slow progress. Events go out at once
-from the calling thread so that, e.g., an injection is logged before the fault.
+Runs in the worker. The heartbeat thread sends (step, phase) every ``heartbeat_interval``
+while the training thread computes or waits in a collective (neither holds the GIL for
+long); it stops when the process is stopped or dead, which is how the controller tells a
+hang from slow progress (its agent reports a stopped process at once: stopped_workers.py).
+Events go out at once from the calling thread so that, e.g., an injection is logged
+before the fault.
 """
 
 from __future__ import annotations
