@@ -50,6 +50,13 @@ def dropout_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     return run
 
 
+def missed_rng_reads(events: list) -> list:
+    """The replacements' failed reads of a mirrored RNG state. A survivor's write of its next step's
+    state may fail, and may be logged once the new controller is up: the controller's node took the
+    store with it mid-step, and that step never committed, so no replacement reads it."""
+    return [e for e in events if e.kind == ev.RNG_NOT_MIRRORED and "tried" in e.details]
+
+
 def start_node(run_dir: Path, etcd: str, job: str, node: int, mark: str, extra: list[str]) -> subprocess.Popen:
     token_file = run_dir / "token"
     token_file.write_text(TOKEN)
@@ -122,7 +129,7 @@ def test_killed_controller_node_with_rank0_fails_over_and_recovers(dropout_refer
     moved = {e.rank: e.details["store"] for e in run.kinds(ev.STORE_MOVED)}
     assert set(moved) == {2, 3} and set(moved.values()) == {leaders[1].details["store"]}
     # Ranks 0 and 1 resumed with their exact RNG state, from the backup store.
-    assert not run.kinds(ev.RNG_NOT_MIRRORED), run.kinds(ev.RNG_NOT_MIRRORED)
+    assert not missed_rng_reads(run.events), run.kinds(ev.RNG_NOT_MIRRORED)
     # Every committed step's samples: each step exactly once per rank, none lost at the failover.
     samples, expected = run.samples(), reference_run.samples()
     assert sorted(samples) == list(range(STEPS)) == sorted(expected)
