@@ -31,7 +31,7 @@ from undying.checkpoint.storage import (
     verify_files,
 )
 
-EXCHANGE_POLL_S = 0.02
+EXCHANGE_POLL_S = 0.01  # how often the coordinator looks for the other ranks' values
 
 
 class ExchangeStore(Protocol):
@@ -44,8 +44,10 @@ class ExchangeStore(Protocol):
 
 
 class Exchange:
-    """Gather to the coordinator and scatter from it through the store, for one checkpoint:
-    ``gather`` returns every member's value (member order) at the coordinator and None elsewhere."""
+    """Gather to the coordinator (the first member) and scatter from it through the store, for one
+    checkpoint: ``gather`` returns every member's value (member order) at the coordinator and None
+    elsewhere. Used for a checkpoint's file records (checkpoint/persister.py, runtime/dying_checkpoint.py)
+    and a sharded checkpoint's DCP plans. ``still_wanted`` False, or ``timeout`` s, ends a wait."""
 
     def __init__(self, store: ExchangeStore, key: str, rank: int, members: list[int], timeout: float,
                  still_wanted: Callable[[], bool]) -> None:

@@ -18,28 +18,16 @@ using at the same time.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from undying.checkpoint.dcp_format import UNDYING_KEY, materialize, to_dcp, write_shared_shard
-from undying.checkpoint.dcp_sharded import Exchange, save_sharded
+from undying.checkpoint.dcp_sharded import Exchange, ExchangeStore, save_sharded
 from undying.checkpoint.snapshot import RankSnapshots
 from undying.checkpoint.storage import FileRecord, Location, commit, save_object, staging_dir
-
-RECORDS_POLL_S = 0.01  # how often rank 0 looks for the other ranks' file records
-
-
-class RecordStore(Protocol):
-    """What the persister needs of the job's store (a c10d store, or a bounded client of one)."""
-
-    def set(self, key: str, value: str) -> None: ...
-    def get(self, key: str) -> bytes: ...
-    def check(self, keys: list[str]) -> bool: ...
-    def delete_key(self, key: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -85,7 +73,7 @@ class Persister:
     """
 
     def __init__(self, *, snapshots: RankSnapshots, root: Location, rank: int,
-                 store: RecordStore, key_prefix: str, keep: int, param_names: list[list[str]],
+                 store: ExchangeStore, key_prefix: str, keep: int, param_names: list[list[str]],
                  rank_file: str, records_timeout: float, current_generation: Callable[[], int],
                  commit_meta: dict[str, object] | None = None,
                  sharded_state: Callable[[dict[str, Any], dict[str, Any] | None], dict[str, Any]] | None = None,
@@ -178,12 +166,13 @@ class Persister:
         state = self.snapshots.read_slot(job.slot, clone=False)
         records: list[FileRecord] = []
         writer = job.members[0]
+        # Every rank's file records (and a sharded job's DCP plans) go to the writer through the store.
+        exchange = Exchange(self.store, self._records_key(job), self.rank, list(job.members), self.records_timeout,
+                            lambda: self.current_generation() == job.generation)
         rank_state = state["rank"]
         if self.sharded_state is not None:
             # Every rank writes its shards into one DCP checkpoint; the rank file keeps the rest.
             extras = to_dcp(state["replica"], [])[UNDYING_KEY] if self.rank == writer else None
-            exchange = Exchange(self.store, f"{self._records_key(job)}/dcp", self.rank, list(job.members),
-                                self.records_timeout, lambda: self.current_generation() == job.generation)
             records += save_sharded(staging, self.sharded_state(rank_state["shards"], extras), exchange)
             rank_state = {key: value for key, value in rank_state.items() if key != "shards"}
         elif self.rank == writer:
@@ -192,28 +181,15 @@ class Persister:
             job.fault()  # an injected fault: the shard is on disk, nothing is committed
         records.append(save_object(staging, self.rank_file, materialize(rank_state)))
         del state  # views into the pinned slot: gone before the slot is unpinned
-        key = self._records_key(job)
-        self.store.set(f"{key}/{self.rank}", json.dumps([asdict(record) for record in records]))
-        if self.rank != writer:
+        gathered = exchange.gather("records", records)
+        if gathered is None:  # not the writer
             return PersistResult(job.step, job.generation, False, None, time.monotonic() - started,
                                  sum(record.size for record in records))
-
-        keys = [f"{key}/{rank}" for rank in job.members]
-        deadline = time.monotonic() + self.records_timeout
-        while not self.store.check(keys):
-            if self.current_generation() != job.generation:
-                raise RuntimeError(f"generation {job.generation} ended before every rank wrote step {job.step}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not every rank wrote its files of step {job.step} "
-                                   f"within {self.records_timeout:g} s")
-            time.sleep(RECORDS_POLL_S)
-        files = [FileRecord(**raw) for k in keys for raw in json.loads(self.store.get(k))]
+        files = [record for rank_records in gathered for record in rank_records]
         # The manifest's world size is the number of replicas that wrote it (fewer than the job's after
         # an elastic shrink): only then does a restart of the same size restore each rank's RNG.
         committed = commit(self.root, staging, step=job.step, generation=job.generation,
                            world_size=len(job.members), files=files,
                            meta={**self.commit_meta, "members": list(job.members)}, keep=self.keep)
-        for k in keys:
-            self.store.delete_key(k)
         return PersistResult(job.step, job.generation, True, str(committed.path), time.monotonic() - started,
                              sum(record.size for record in files))

@@ -12,15 +12,13 @@ does (checkpoint/persister.py).
 
 from __future__ import annotations
 
-import datetime
-import json
 import time
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from undying import events as ev
 from undying.checkpoint import FileRecord, commit, save_object, staging_dir
 from undying.checkpoint.dcp_format import write_shared_shard
+from undying.checkpoint.dcp_sharded import Exchange
 from undying.checkpoint.manifest import NUMERICS_KEY
 from undying.config import JobSpec
 from undying.protocol import Plan
@@ -115,12 +113,9 @@ class DyingCheckpoint:
         return state
 
     def _gather_records(self, plan: Plan, records: list[FileRecord]) -> list[FileRecord]:
-        """Every writer publishes its file records in the job's store; the source returns them all."""
-        store = self.membership.store
-        prefix = f"{self.membership.store_prefix}/dump/g{plan.generation}"
-        store.set(f"{prefix}/{self.membership.rank}", json.dumps([asdict(record) for record in records]))
-        if self.membership.rank != plan.source_rank:
-            return records
-        keys = [f"{prefix}/{writer}" for writer in sorted(set(plan.holders))]
-        store.wait(keys, datetime.timedelta(seconds=RECORDS_TIMEOUT_S))
-        return [FileRecord(**raw) for key in keys for raw in json.loads(store.get(key))]
+        """Every writer publishes its file records in the job's store; the source (the first holder)
+        returns them all."""
+        exchange = Exchange(self.membership.store, f"{self.membership.store_prefix}/dump/g{plan.generation}",
+                            self.membership.rank, sorted(set(plan.holders)), RECORDS_TIMEOUT_S, lambda: True)
+        gathered = exchange.gather("records", records)
+        return records if gathered is None else [record for writer in gathered for record in writer]

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from undying.checkpoint.dcp_format import UNDYING_KEY, model_key, optimizer_key, optimizer_param_names
-from undying.checkpoint.dcp_sharded import load_sharded, saved_keys
+from undying.checkpoint.dcp_sharded import load_sharded, reader, saved_keys
 from undying.checkpoint.storage import CommittedCheckpoint, CorruptCheckpoint
 from undying.runtime.sharded import named_tensors, reshard
 
@@ -121,8 +121,6 @@ def _param_groups(ckpt: CommittedCheckpoint, count: int) -> list[list[dict[str, 
     """Each optimizer's saved param_groups (hyperparameters, parameter FQNs)."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    from undying.checkpoint.dcp_sharded import reader
 
     keys = {f"{optimizer_key(index)}.param_groups" for index in range(count)}
     state: dict[str, Any] = {}
