@@ -355,3 +355,33 @@ def test_a_frozen_host_is_replaced_by_a_spare(reference_run: JobRun, hosts) -> N
     assert not run.kinds(ev.PERSIST_FAILED), story
     [returned] = [e for e in run.kinds(ev.AGENT_REGISTERED) if e.details.get("returned_node") == 1]
     assert returned.details["standby"] and returned.time > woke_at, story
+
+
+def test_a_stopped_worker_on_a_real_host_is_seen_by_its_agent_and_recovered_in_place(
+        reference_run: JobRun, hosts) -> None:
+    """SIGSTOP of one worker (its host and agent running): the agent reads the process's state and
+    reports it stopped, so the controller acts before ``heartbeat_timeout`` (here 4 s) would; that
+    rank is replaced in place, the others keep their processes, and the final parameters equal the
+    fault-free run's."""
+    cluster = hosts(["--set", "process_recover=true", "--recover-strategy", "retry,recover-in-place"],
+                    script_args=STEP_SLEEP)
+    cluster.start(0)
+    cluster.start(1)
+    cluster.wait_for_event("rank 3 at step 5", lambda e: e.kind == ev.HEARTBEAT and e.rank == 3 and (e.step or 0) >= 5)
+    pid = next(e.details["pid"] for e in cluster.events() if e.kind == ev.WORKER_READY and e.rank == 3)
+    stopped_at = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    code, output = cluster.wait(0)
+    run = JobRun(code, output, cluster.run_dir(0), cluster.mark)
+    story = timeline(run.events, stopped_at)
+    assert code == 0, output + story
+    assert cluster.wait(1, timeout=60)[0] == 0, story
+    assert run.result["final_step"] == STEPS
+    assert run.result["param_sha256"] == reference_run.result["param_sha256"], story
+    [fault] = run.kinds(ev.FAULT_DETECTED)
+    assert fault.rank == 3 and "stopped" in fault.details["detail"], story
+    assert run.kinds(ev.DECISION)[-1].details["strategy"] == "recover-in-place", story
+    first = {e.rank: e.details["pid"] for e in run.kinds(ev.WORKER_READY) if e.generation == 1}
+    recovered = {e.rank: e.details["pid"] for e in run.kinds(ev.RECOVERED)}
+    assert all(recovered[rank] == first[rank] for rank in (0, 1, 2)), story
+    assert recovered[3] != first[3], story
