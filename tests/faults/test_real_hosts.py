@@ -253,6 +253,16 @@ def steps_a_survivor_took_from_a_peer(run: JobRun) -> dict[int, set[int]]:
         laggards = set(plan.details["receivers"]) & members
         if laggards and plan.step:
             took.setdefault(plan.step - 1, set()).update(laggards)
+    # The same for a rank of the node that left: stopped between a step every rank committed (at the
+    # full size) and its sample record of it (seen once in CI, a planned leave).
+    samples = run.samples()
+    for shrink in run.kinds(ev.ELASTIC_SHRINK):
+        for rank in shrink.details["dropped_ranks"]:
+            last = max((step for step, records in samples.items() if any(r["rank"] == rank for r in records)),
+                       default=-1)
+            records = samples.get(last + 1, [])
+            if any(r["replicas"] == shrink.details["old_world_size"] for r in records):
+                took.setdefault(last + 1, set()).add(rank)
     return took
 
 
