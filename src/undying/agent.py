@@ -26,7 +26,7 @@ from pathlib import Path
 from undying.client import ControllerClient, ControllerUnreachable, Unauthorized, parse_address
 from undying.config import JobSpec, spec_from_json, spec_to_dict
 from undying.locate import locator_from_env
-from undying.procs import die_with_parent, signal_name, stop_processes
+from undying.procs import available_memory, die_with_parent, signal_name, stop_processes
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
     ROUTE_AGENT_LEAVE,
@@ -48,7 +48,10 @@ from undying.worker_env import ENV_INJECT, ENV_SPEC, ENV_TOKEN, WorkerEnv
 
 ENV_DIE_WITH_PARENT = "UNDYING_AGENT_DIE_WITH_PARENT"
 ENV_WARM = "UNDYING_WARM_STANDBY"  # "1" in a worker that started as a warm standby
-STANDBY_DELAY = 5.0  # seconds after a start before the node pre-starts its warm standby
+# Host memory a warm standby needs free before it is started (one is about 0.3 GB resident with
+# CPU torch; more with a GPU build): a node short of memory trains on without one.
+STANDBY_MIN_AVAILABLE = 1 << 30
+STANDBY_MEMORY_RECHECK_S = 10.0
 # A long poll answers within monitor_interval; this much longer and the controller is taken for gone
 # (a frozen controller accepts connections and never answers): in a failover job the agent then
 # looks for the new leader, well before the new leader gives up on this node.
@@ -95,6 +98,7 @@ class Agent:
         # starts every rank of the node from one.
         self.standby_target = spec.nproc_per_node
         self.standby_due: float | None = None  # when to pre-start the next warm standby
+        self.standby_short_of_memory = False  # said once that memory was too short for one
         self.stopped_workers = StoppedWorkers()
         self._stopping = False
         self._leaving: str | bool = False  # the signal that stopped this agent before the job ended
@@ -169,7 +173,7 @@ class Agent:
             self.job_id = reply.job_id
             if self.spare and self.spec.warm_standby and not self.standbys:
                 # Idle until needed: have the replacement interpreter ready before that.
-                self.standby_due = time.monotonic() + STANDBY_DELAY
+                self.standby_due = time.monotonic()
             return
 
     def _claim_shared_memory(self) -> None:
@@ -259,8 +263,9 @@ class Agent:
         for rank in order.ranks:
             self._spawn(rank, order, joining=False)
         if self.spec.warm_standby and len(self.standbys) < self.standby_target:
-            # Not now: the standbys' own torch imports would compete with the workers' start.
-            self.standby_due = time.monotonic() + STANDBY_DELAY
+            # At once, so that a fault in the first steps finds one: a standby imports at a low CPU
+            # priority (standby.py), so it takes little from the workers' own start.
+            self.standby_due = time.monotonic()
 
     def _replace_workers(self, order: Order) -> None:
         """Process-level recovery: restart only these ranks; the node's other workers keep running."""
@@ -294,7 +299,7 @@ class Agent:
         if warm:
             process = self.standbys.pop(0)
             assert process.stdin is not None
-            self.standby_due = time.monotonic() + STANDBY_DELAY
+            self.standby_due = time.monotonic()
             env[ENV_WARM] = "1"
             process.stdin.write((json.dumps({"env": env, "command": self.command, "log": str(log_path)})
                                  + "\n").encode())
@@ -343,10 +348,10 @@ class Agent:
         alive = [process for process in self.standbys if process.poll() is None]
         if len(alive) < len(self.standbys):
             self.standbys = alive
-            self.standby_due = self.standby_due or time.monotonic() + STANDBY_DELAY
+            self.standby_due = self.standby_due or time.monotonic()
         if len(self.standbys) < self.standby_target and self.standby_due is not None \
                 and time.monotonic() >= self.standby_due \
-                and can_serve(self.command):
+                and can_serve(self.command) and self._memory_for_standbys():
             log = open(self.run_dir / "logs" / f"standby{self.node}.log", "ab")  # noqa: SIM115 - child's
             for _ in range(self.standby_target - len(self.standbys)):
                 self.standbys.append(subprocess.Popen([sys.executable, "-u", "-m", "undying.standby"],
@@ -354,6 +359,20 @@ class Agent:
                                                       preexec_fn=die_with_parent))
             log.close()
             self.standby_due = None
+
+    def _memory_for_standbys(self) -> bool:
+        """Is there room for the missing standbys? If not, look again in a while."""
+        missing = self.standby_target - len(self.standbys)
+        available = available_memory()
+        if available is None or available >= missing * STANDBY_MIN_AVAILABLE:
+            return True
+        if not self.standby_short_of_memory:
+            print(f"undying agent {self.node}: no warm standby for now: {available >> 20} MiB of memory "
+                  f"available, {missing} standby(s) need {missing * STANDBY_MIN_AVAILABLE >> 20} MiB",
+                  file=sys.stderr, flush=True)
+        self.standby_short_of_memory = True
+        self.standby_due = time.monotonic() + STANDBY_MEMORY_RECHECK_S
+        return False
 
     def _standby_ready(self) -> bool:
         self.standbys = [process for process in self.standbys if process.poll() is None]

@@ -1,4 +1,4 @@
-"""Process helpers shared by the launcher and the agent: die-with-parent, signal names, stopping.
+"""Process helpers shared by the launcher and the agent: die-with-parent, signal names, stopping, memory.
 
 Linux's PR_SET_PDEATHSIG makes a child die when the process that started it dies,
 so a SIGKILLed launcher or agent never leaves orphans training on.
@@ -68,3 +68,15 @@ def _send(process: subprocess.Popen[bytes], signum: int) -> None:
         process.send_signal(signum)
     except ProcessLookupError:
         pass
+
+
+def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes of memory the kernel says new processes can use without swapping (None: not Linux)."""
+    try:
+        with open(meminfo) as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -6,6 +6,13 @@ imports lazily) before it can join; a standby has paid that already. When a rank
 this node must be replaced, the agent writes one JSON line to the standby's stdin
 (the worker's environment, its command and its log file) and the standby becomes
 that rank by running the training script in this same process.
+
+The agent starts its standbys together with the workers, so that a fault in the first steps
+already finds one. Their imports then run on a thread of low CPU priority (``PRELOAD_NICE``;
+Linux sets the nice value per thread): on a machine whose cores the workers fill, a standby
+takes little from their start. The rank itself runs on the main thread, at normal priority; an
+assignment that arrives during the import waits for it, after raising that thread's priority
+back where the system allows it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ import json
 import os
 import runpy
 import sys
+import threading
+
+PRELOAD_NICE = 10  # nice value of the importing thread (0 is normal, 19 the lowest priority)
 
 
 def _preload() -> None:
@@ -22,6 +32,58 @@ def _preload() -> None:
     import torch.distributed  # noqa: F401
 
     import undying.runtime.core  # noqa: F401
+
+
+def _set_thread_nice(thread_id: int, value: int) -> bool:
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread_id, value)
+        return True
+    except (OSError, AttributeError):
+        return False  # not Linux, or lowering the nice value needs a privilege this process lacks
+
+
+class Preload:
+    """The imports, on a thread of low CPU priority."""
+
+    def __init__(self) -> None:
+        self.thread_id: int | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="undying-preload", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.thread_id = threading.get_native_id()
+        _set_thread_nice(self.thread_id, PRELOAD_NICE)
+        try:
+            _preload()
+        except BaseException as error:  # re-raised on the main thread, which owns the process
+            self.error = error
+            return
+        print("ready", flush=True)
+
+    def finish(self) -> None:
+        """Wait for the imports, and give the rank normal priority: the importing thread and the
+        threads it started (torch starts one of its own) get the main thread's nice value back,
+        where the system allows lowering it (root, CAP_SYS_NICE, RLIMIT_NICE); elsewhere they stay
+        low, and the training itself, on the main thread and the threads it starts, is unaffected."""
+        normal = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        if self.thread.is_alive() and self.thread_id is not None:
+            _set_thread_nice(self.thread_id, normal)
+        self.thread.join()
+        for task in _threads_of_this_process():
+            if task != threading.get_native_id():
+                _set_thread_nice(task, normal)
+        if self.error is not None:
+            raise self.error
+
+
+def _threads_of_this_process() -> list[int]:
+    try:
+        return [int(task) for task in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
 
 
 def _become(assignment: dict) -> None:
@@ -52,11 +114,15 @@ def can_serve(command: list[str]) -> bool:
 
 
 def main() -> int:
-    _preload()
-    print("ready", flush=True)
+    preload = Preload()
+    preload.start()
     line = sys.stdin.readline()
     if not line.strip():
-        return 0  # the agent closed our stdin: no rank for us
+        # The agent closed our stdin: no rank for us. Not a normal exit, which could find the
+        # importing thread half way and tear the interpreter down under it.
+        sys.stdout.flush()
+        os._exit(0)
+    preload.finish()
     _become(json.loads(line))
     return 0
 
