@@ -122,3 +122,37 @@ def test_routine_polls_and_heartbeats_do_not_tick_and_a_reported_exit_is_decided
         assert len(ticks) > before
     finally:
         job.close()
+
+
+def test_a_retry_is_decided_and_planned_on_check_ins_without_waiting_for_a_tick(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step failure reported by check-in is news, and so is the check-in that completes a recovery's
+    set: with the periodic tick out of reach, an exception on one rank (every rank checks in, as a
+    failed vote makes them) still ends with every rank holding a retry plan."""
+    monkeypatch.setattr(core, "TICK", 600.0)
+    job = ShellJob(tmp_path, **{**RECOVERY, "recover_strategy": ["retry", "recover-in-place"]})
+    controller = job.controller
+    try:
+        job.start()
+        for node in (0, 1):
+            assert job.hello(node).accepted
+        assert job.wait_for(lambda: controller.state is JobState.RUNNING)
+        for node in (0, 1):
+            workers = [WorkerStatus(rank, rank % 2, 2000 + rank, 1, WorkerState.RUNNING).to_dict()
+                       for rank in (2 * node, 2 * node + 1)]
+            controller.poll(AgentPoll(node, 1, workers, 0.0, pid=1000 + node, hostname=f"host{node}"))
+        plans: dict[int, object] = {}
+
+        def failed_rank(rank: int) -> None:
+            reason = "exception in step: RuntimeError('boom')" if rank == 1 else "a rank voted against this step"
+            plan = controller.recover(RecoverRequest(rank, rank // 2, 1, 7, 2000 + rank, reason, wait=5.0))
+            plans[rank] = (plan.action, plan.strategy)
+
+        threads = [threading.Thread(target=failed_rank, args=(rank,)) for rank in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert set(plans.values()) == {(PlanAction.RESUME, "retry")}, plans
+    finally:
+        job.close()

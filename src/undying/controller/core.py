@@ -58,7 +58,8 @@ class News(Enum):
 
 def wakes_loop(news: News, effects: Effects) -> bool:
     """Whether an observation of kind ``news`` that queued ``effects`` makes the loop tick at once."""
-    return news is News.ALWAYS or (news is News.IF_EFFECTS and bool(effects.events or effects.kill_nodes))
+    return news is News.ALWAYS or (news is News.IF_EFFECTS
+                                   and (effects.news or bool(effects.events or effects.kill_nodes)))
 
 
 class NotInCharge(RuntimeError):

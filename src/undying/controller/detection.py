@@ -110,12 +110,15 @@ class FaultDetector:
             record.done = True
             record.done_at = now
 
-    def step_failed(self, now: float, fault: Fault, generation: int) -> None:
-        """A worker's own report that it could not complete its step (once per rank and generation)."""
+    def step_failed(self, now: float, fault: Fault, generation: int) -> bool:
+        """A worker's own report that it could not complete its step (once per rank and generation);
+        True if it is the first of this rank and generation."""
         assert fault.rank is not None
-        if (fault.rank, generation) not in self.reported_failures:
-            self.reported_failures.add((fault.rank, generation))
-            self.step_failures.append((now, fault))
+        if (fault.rank, generation) in self.reported_failures:
+            return False
+        self.reported_failures.add((fault.rank, generation))
+        self.step_failures.append((now, fault))
+        return True
 
     def find(self, now: float, generation: int) -> Fault | None:
         """The next fault to act on, if any."""

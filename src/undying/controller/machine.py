@@ -53,6 +53,7 @@ class Effects:
 
     events: list[Event] = field(default_factory=list)
     kill_nodes: list[int] = field(default_factory=list)  # simulated nodes whose agent was declared lost
+    news: bool = False  # a decision may be due now (a new step failure, a recovery's last check-in)
 
 
 class JobMachine:

@@ -80,7 +80,12 @@ def note_check_in(job: JobMachine, now: float, request: RecoverRequest, record: 
         record.last_heartbeat = now
     recovery = job.recovery
     pending = job.pending_grow
+    # News wakes the controller's loop at once (controller/core.py): a check-in that makes a decision
+    # due (a new failure, the last awaited check-in) must not wait for the next tick. Only a change
+    # is news: the check-ins waiting for a plan repeat themselves.
+    was_ready = recovery is not None and recovery.plan is None and recovery.ready()
     if request.newcomer and recovery is None and pending is not None and request.generation == pending.generation:
+        job.effects.news |= request.rank not in pending.newcomers_ready
         pending.newcomers_ready.add(request.rank)
     elif request.newcomer:
         if recovery is not None and request.generation == recovery.generation:
@@ -96,9 +101,11 @@ def note_check_in(job: JobMachine, now: float, request: RecoverRequest, record: 
         # step the others still have in flight can no longer commit anywhere: abort it.
         job.abort_generation = max(job.abort_generation, recovery.old_generation)
     elif job.state is JobState.RUNNING and request.generation == job.generation:
-        job.detector.step_failed(now, Fault(
+        job.effects.news |= job.detector.step_failed(now, Fault(
             FaultReason.STEP_FAILED, node=record.node if record else request.node, rank=request.rank,
             step=request.committed_step, detail=request.reason[:300]), request.generation)
+    if recovery is not None and recovery.plan is None and recovery.ready() and not was_ready:
+        job.effects.news = True
 
 def plan_for(job: JobMachine, request: RecoverRequest) -> Plan:
     """The plan a checked-in worker leaves with (WAIT: ask again)."""
