@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--final-state", default=None, help="rank 0 saves the final parameters here (tests)")
     parser.add_argument("--mesh", default=None, metavar="RxS",
                         help="shard the model with FSDP2 over a (replicate R, shard S) mesh, e.g. 2x2 (HSDP)")
+    parser.add_argument("--keep-unsharded", action="store_true",
+                        help="with --mesh: parameters stay whole from forward to backward "
+                             "(fully_shard's reshard_after_forward=False, as ZeRO-2)")
     args = parser.parse_args()
 
     # One thread by default: bitwise-repeatable CPU kernels, and 4 ranks fit on 2 cores.
@@ -57,7 +60,8 @@ def main() -> None:
         n_embd=args.n_embd,
         dropout=args.dropout,
     )
-    model = ft.wrap_model(sharded(GPT(config).to(ft.device), ft, args.mesh) if args.mesh else GPT(config).to(ft.device))
+    model = GPT(config).to(ft.device)
+    model = ft.wrap_model(sharded(model, ft, args.mesh, not args.keep_unsharded) if args.mesh else model)
     opt = ft.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
     loader = ft.dataloader(dataset, batch_size=args.batch_size, seed=args.seed)
 
@@ -86,15 +90,16 @@ def main() -> None:
     ft.finish(result={"final_loss": last_loss, "param_sha256": undying.param_sha256(model.module)})
 
 
-def sharded(model: torch.nn.Module, ft: undying.Runtime, mesh_shape: str) -> torch.nn.Module:
+def sharded(model: torch.nn.Module, ft: undying.Runtime, mesh_shape: str,
+            reshard_after_forward: bool = True) -> torch.nn.Module:
     """``model`` sharded with FSDP2: each transformer block, then the whole model, over undying's mesh."""
     from torch.distributed.fsdp import fully_shard
 
     replicate, shard = (int(part) for part in mesh_shape.lower().split("x"))
     mesh = ft.device_mesh(replicate=replicate, shard=shard)
     for block in model.transformer.h:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
 
 

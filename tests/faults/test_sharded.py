@@ -161,3 +161,15 @@ def test_a_restart_on_another_mesh_reshards_the_checkpoint_through_dcp(hsdp_refe
     assert line in (hsdp_reference.run_dir / "logs" / "rank0.log").read_text()
     ours, reference = torch.load(final), torch.load(hsdp_reference.run_dir / FINAL_STATE)
     assert max(float((ours[name].double() - reference[name].double()).abs().max()) for name in reference) < 1e-3
+
+
+def test_parameters_kept_whole_through_the_step_zero2_style_recover_bitwise(hsdp_reference: JobRun,
+                                                                             tmp_path: Path) -> None:
+    """``fully_shard(..., reshard_after_forward=False)`` (parameters gathered once per step, gradients and
+    optimizer state sharded: ZeRO-2's memory) trains the same bits, and a killed worker's survivors drop
+    the parameters they held whole for the failed step's backward."""
+    run = run_job(tmp_path, [*PROCESS_LEVEL, *PEER_ONLY, "--inject", "kill:rank=2:step=15"],
+                  script_args=[*MESH, "--keep-unsharded"])
+    assert_bitwise(run, hsdp_reference)
+    assert_survivors_kept(run, {2})
+    assert shards_received(run) == {2: 0}

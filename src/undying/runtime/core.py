@@ -33,7 +33,7 @@ from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.devices import choose_backend, choose_device, set_numerics_mode
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
-from undying.runtime.optim import CommitOptimizer
+from undying.runtime.optim import CommitOptimizer, refuse_zero_redundancy
 from undying.runtime.pg import reapers_alive
 from undying.runtime.recovery_client import RecoveryClient
 from undying.runtime.reporter import Reporter
@@ -194,6 +194,7 @@ class Runtime:
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> CommitOptimizer:
         """The optimizer whose ``step()`` commits the step on every rank or on none. It is a
         ``torch.optim.Optimizer``: build LR schedulers (and GradScaler) on it as on the original."""
+        refuse_zero_redundancy(optimizer)
         wrapped = CommitOptimizer(optimizer, self.transaction.commit, self.transaction.set_phase,
                                   self.transaction.fire_raise_injections, self.checkpoints.settle)
         self.state.optimizers.append(wrapped)

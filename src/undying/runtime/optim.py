@@ -174,3 +174,17 @@ def _search(optimizer_index: dict[int, int], taken: set[int], trained: set[int]
     if free_scalers:
         by_name[GRAD_SCALER_NAME] = free_scalers
     return by_name, sorted(strays)
+
+
+def refuse_zero_redundancy(optimizer: torch.optim.Optimizer) -> None:
+    """One line for torch's ZeroRedundancyOptimizer (ZeRO-1 for DDP): its state differs per rank while
+    undying repairs a data-parallel rank from any peer's copy, and it keeps the process group of its
+    construction, which a recovery replaces. FSDP2 shards the optimizer state in a way undying
+    tracks per rank (docs/sharding.md)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # here: only wrap_optimizer needs it
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise ValueError("ft.wrap_optimizer: ZeroRedundancyOptimizer is not supported (its state differs per "
+                         "rank and it keeps the process group it was built with); shard the optimizer state "
+                         "with FSDP2 instead: ft.device_mesh(...) and fully_shard(module, mesh=mesh, "
+                         "reshard_after_forward=False), which keeps the parameters whole through a step as ZeRO-2 does")
