@@ -47,7 +47,7 @@ BUDGET = 0.02
 # about 40, 200 and 500 ms (measured under a load average of 16: 51, 360 and 1600 ms); the step counts
 # leave a measured window of about 6-15 s on a quiet machine.
 SIZES: dict[str, tuple[int, int, int, int]] = {
-    "2x48": (2, 48, 2, 200),
+    "2x48": (2, 48, 2, 1000),
     "4x256": (4, 256, 4, 100),
     "8x384": (8, 384, 6, 60),
 }
@@ -82,6 +82,12 @@ def run_torchrun(size: str, work: Path) -> dict:
     return {"exit_code": result.returncode, "steps_per_second": rate(times, WARMUP_STEPS)}
 
 
+def standbys_ready(run_dir: Path) -> bool:
+    """Has every warm standby of the node finished its imports (each prints "ready" to its log)?"""
+    log = run_dir / "logs" / "standby0.log"
+    return log.exists() and log.read_text(errors="replace").count("ready") >= RANKS
+
+
 def run_undying(size: str, interval: str, work: Path) -> dict:
     run_dir = work / "run"
     command = [sys.executable, "-m", "undying.cli", "run", "--nnodes", "1", "--nproc-per-node", str(RANKS),
@@ -90,18 +96,35 @@ def run_undying(size: str, interval: str, work: Path) -> dict:
                "--quiet", "--run-dir", str(run_dir), str(GPT_DIR / "train.py"), *model_args(size),
                "--log-every", str(NO_T2)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    started = time.time()
+    ready_at: float | None = None
+    with subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as job:
+        # The standbys start with the workers, their imports at low priority: steady state begins
+        # once they are done (until then they take a share of the cores), so the window starts there.
+        while job.poll() is None and time.time() - started < RUN_TIMEOUT_S:
+            if ready_at is None and standbys_ready(run_dir):
+                ready_at = time.time()
+            time.sleep(0.1)
+        if job.poll() is None:
+            job.kill()
+        output = job.stdout.read() if job.stdout else ""
+        returncode = job.wait()
     events = read_events(run_dir) if (run_dir / ev.EVENTS_FILE).exists() else []
-    beats = {event.step: event.time for event in events
-             if event.kind == ev.HEARTBEAT and event.rank == 0 and event.step is not None}
+    beats = {event.step: event.time for event in events if event.kind == ev.HEARTBEAT and event.rank == 0
+             and event.step is not None and (ready_at is None or event.time >= ready_at)}
     changes = [{"step": event.step, "interval": event.details["interval"], "stall": event.details["stall"],
                 "step_seconds": event.details["step_seconds"]}
                for event in events if event.kind == ev.SNAPSHOT_INTERVAL and event.rank == 0]
-    record: dict = {"exit_code": result.returncode, "steps_per_second": rate(beats, WARMUP_STEPS)}
+    record: dict = {"exit_code": returncode, "steps_per_second": rate(beats, WARMUP_STEPS),
+                    "standbys_ready_seconds": None if ready_at is None else round(ready_at - started, 1),
+                    "measured_beats": len([step for step in beats if step >= WARMUP_STEPS])}
+    if ready_at is None:
+        record["steps_per_second"] = None  # the run ended before its standbys were up: no steady state
     if changes:
         record["interval_changes"] = changes
-    if result.returncode != 0:
-        record["output_tail"] = result.stdout[-2000:]
+    if returncode != 0:
+        record["output_tail"] = output[-2000:]
     return record
 
 

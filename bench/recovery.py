@@ -104,6 +104,8 @@ def measure_undying(extra: list[str]) -> dict:
             record["mttr_seconds"] = round(last_first - fault.time, 3)
             record["steps_lost"] = fault.step - firsts[0].details["resumed_from"]
         record["restarted_processes"] = len([e for e in events if e.kind == ev.WORKER_READY and e.time > fault.time])
+        record["warm_replacements"] = sum(log.read_text(errors="replace").count("(replacement, warm standby)")
+                                          for log in (run_dir / "logs").glob("rank*.log"))
         return record
 
 
