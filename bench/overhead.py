@@ -13,7 +13,10 @@ that a change in the machine's load falls on all of them alike:
 
 Every job has 4 ranks on one node, batch 4 x 32 tokens per rank, one thread per rank. No T2
 checkpoint falls in the runs (the checkpoint interval is longer than the run). The step rate is
-rank 0's, over the steps from ``WARMUP_STEPS`` (after ``auto`` has decided once) to the last:
+rank 0's, over the steps from ``WARMUP_STEPS`` (after ``auto`` has decided once) to the last, and for
+undying only from when the node's warm standbys have finished their imports (they start with the
+workers, at low priority, and take a share of the cores until then; on 2 busy cores that is most of
+a minute):
 torchrun's from its per-step times, undying's from the controller's heartbeat events (rank 0's
 committed step, logged at most every 0.5 s, each at most 0.1 s after its step). The overhead of a
 configuration is its median step time against torchrun's, in percent.
