@@ -50,6 +50,10 @@ class BoundedStore:
             raise value
         return value
 
+    def run(self, operation: Callable[[dist.Store], Any]) -> Any:
+        """Several calls in one trip to the client's thread, bounded together by ``timeout``."""
+        return self._call(operation)
+
     def set(self, key: str, value: bytes | str) -> None:
         self._call(lambda store: store.set(key, value))  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
 

@@ -1,7 +1,10 @@
 """The per-step RNG mirror: where a replacement finds the exact RNG state of the rank it replaces.
 
 Runs in the worker. At every commit boundary (and just before each vote) a rank writes
-its encoded RNG state for that step to the job's store, keeping the last few steps. The
+its encoded RNG state for that step to the job's store, keeping the last few steps. The vote's
+write runs on the mirror's own thread while the gradients are synced and the vote counted
+(``start_write_rng``), and the step is applied only once it is done (``wait``): the store's round
+trip overlaps the all-reduce instead of adding to every step. The
 store lives in the controller's process; in a failover job (``--etcd``) the controller's
 node may die with it, so the rank also writes to a *backup store* (another node's
 controller candidate, named in heartbeat replies). Reading tries the current store,
@@ -14,6 +17,8 @@ a few seconds, once.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -47,19 +52,56 @@ class RngMirror:
         self._last: tuple[int, bytes] = (-1, b"")  # (step, encoded RNG) last written
         self._store_lost = False
         self._backup: tuple[str, BoundedStore | None] = ("", None)  # (address, client; None once it failed)
+        self._writes: queue.SimpleQueue[tuple[int, bytes, threading.Event]] = queue.SimpleQueue()
+        self._written: threading.Event | None = None  # the write in flight on the mirror's thread
+        self._writer: threading.Thread | None = None
+        # rng_not_mirrored events of the mirror's thread, sent by the training thread (``wait``): the
+        # reporter's connection to the controller is not shared between threads.
+        self._events: list[dict[str, Any]] = []
 
     def key(self, step: int, rank: int | None = None) -> str:
         return f"{self.prefix}/rng/{self.rank if rank is None else rank}/{step}"
 
     def use_store(self, store: BoundedStore) -> None:
         """The job's store moved (controller failover): mirror into the new one from now on."""
+        self.wait()
         self.store = store
         self._store_lost = False
         self._last = (-1, b"")
 
     def write_rng(self, step: int, state: dict[str, Any] | None = None) -> None:
         """Mirror ``state`` (by default this process's RNG state now) as the state of ``step``."""
-        self.write(step, rng_to_bytes(state if state is not None else capture_rng()))
+        self.start_write_rng(step, state)
+        self.wait()
+
+    def start_write_rng(self, step: int, state: dict[str, Any] | None = None) -> None:
+        """Like ``write_rng``, but the write runs on the mirror's thread: the state is captured now,
+        and ``wait`` returns once it is in the store (or found unreachable)."""
+        data = rng_to_bytes(state if state is not None else capture_rng())
+        self.wait()
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_forever, name="undying-rng-mirror", daemon=True)
+            self._writer.start()
+        self._written = threading.Event()
+        self._writes.put((step, data, self._written))
+
+    def wait(self) -> None:
+        """Until the write in flight is over. Every store call of it is bounded, so this is too."""
+        if self._written is not None:
+            self._written.wait()
+            self._written = None
+        while self._events:
+            self.reporter.emit(ev.RNG_NOT_MIRRORED, **self._events.pop(0))
+
+    def _write_forever(self) -> None:
+        while True:
+            step, data, written = self._writes.get()
+            try:
+                self.write(step, data)
+            except Exception as error:  # noqa: BLE001 - best effort, like an unreachable store
+                self._events.append({"step": step, "key": self.key(step), "reason": repr(error)[:200]})
+            finally:
+                written.set()
 
     def write(self, step: int, data: bytes) -> None:
         if self._last == (step, data) or self._store_lost:
@@ -69,19 +111,20 @@ class RngMirror:
             # The store went with its controller's node (failover): the step itself stands; the
             # next plan names the new store.
             self._store_lost = True
-            self.reporter.emit(ev.RNG_NOT_MIRRORED, step=step, key=self.key(step), reason="store unreachable")
+            self._events.append({"step": step, "key": self.key(step), "reason": "store unreachable"})
             return
         address = self.backup_address()
         if address != self._backup[0]:
             self._backup = (address, bounded(address, BACKUP_TIMEOUT_S) if address else None)
         backup = self._backup[1]
         if backup is not None and not _put(backup, self.key(step), data, stale):
-            self.reporter.emit(ev.RNG_NOT_MIRRORED, step=step, key=self.key(step),
-                               reason=f"backup store {address} unreachable")
+            self._events.append({"step": step, "key": self.key(step),
+                                 "reason": f"backup store {address} unreachable"})
             self._backup = (address, None)
         self._last = (step, data)
 
     def read(self, step: int, rank: int | None = None, fallbacks: list[str] | None = None) -> dict[str, Any]:
+        self.wait()
         key = self.key(step, rank)
         for store in [self.store, *(bounded(address, MIRROR_TIMEOUT_S) for address in fallbacks or [])]:
             try:
@@ -94,10 +137,16 @@ class RngMirror:
 
 
 def _put(store: BoundedStore | dist.Store, key: str, data: bytes, stale: str | None) -> bool:
-    try:
-        store.set(key, data)  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
+    def put(client: BoundedStore | dist.Store) -> None:
+        client.set(key, data)  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
         if stale is not None:
-            store.delete_key(stale)
+            client.delete_key(stale)
+
+    try:
+        if isinstance(store, BoundedStore):
+            store.run(put)  # both calls in one trip to the store client's thread
+        else:
+            put(store)
     except (RuntimeError, OSError):
         return False
     return True

@@ -90,8 +90,9 @@ class StepTransaction:
         self.voted = True
         self.set_phase(Phase.SYNCING)
         if vote_ok:
-            # The RNG state a replay of the next step starts from, mirrored before the step commits.
-            self.rng_mirror.write_rng(self.state.committed_step + 1)
+            # The RNG state a replay of the next step starts from, mirrored before the step is applied;
+            # the store's round trip runs beside the gradient sync and the vote.
+            self.rng_mirror.start_write_rng(self.state.committed_step + 1)
         try:
             # Averaged during backward as a rule; here only what a backward did not (no backward,
             # a rank voting no): every rank issues the same collectives in the same order.
@@ -114,6 +115,7 @@ class StepTransaction:
                 and self.membership.aborted():
             self.fail("the controller aborted this generation while this rank was silent")
             return False
+        self.rng_mirror.wait()
         self.updated = True
         return True
 

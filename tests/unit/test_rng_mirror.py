@@ -1,0 +1,64 @@
+"""The RNG mirror (runtime/rng_mirror.py) against a real TCPStore: a write started before the vote
+holds the RNG state of the moment it was started, is in the store once ``wait`` returns, keeps only the
+last few steps, and an unreachable store becomes an event sent from the training thread."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from undying import events as ev
+from undying.runtime.bounded_store import BoundedStore
+from undying.runtime.rng import capture_rng
+from undying.runtime.rng_mirror import KEEP, RngMirror
+
+
+class Reporter:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any], int]] = []
+
+    def emit(self, kind: str, step: int | None = None, **details: Any) -> None:
+        self.events.append((kind, {"step": step, **details}, threading.get_ident()))
+
+
+def store_server() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def test_a_started_write_holds_the_state_of_its_start_and_is_stored_after_wait() -> None:
+    server = store_server()
+    client = BoundedStore(lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False), timeout=5.0)
+    reporter = Reporter()
+    mirror = RngMirror(client, "job", rank=3, reporter=reporter)  # type: ignore[arg-type]
+    torch.manual_seed(7)
+    expected = capture_rng()
+    mirror.start_write_rng(11)
+    torch.rand(1000)  # the step goes on drawing numbers while the write is in flight
+    mirror.wait()
+    assert server.check([mirror.key(11)])
+    torch.manual_seed(123)
+    restored = mirror.read(11)
+    assert torch.equal(restored["torch"], expected["torch"]) and restored["python"] == expected["python"]
+    for step in range(12, 12 + KEEP + 1):
+        mirror.write_rng(step)
+    assert not server.check([mirror.key(11)]) and not server.check([mirror.key(12)])
+    assert server.check([mirror.key(12 + KEEP)])
+    assert reporter.events == []
+
+
+def test_an_unreachable_store_is_an_event_sent_by_the_thread_that_waits() -> None:
+    def refuse() -> dist.Store:
+        raise RuntimeError("connection refused")
+
+    reporter = Reporter()
+    mirror = RngMirror(BoundedStore(refuse, timeout=1.0), "job", rank=0, reporter=reporter)  # type: ignore[arg-type]
+    mirror.start_write_rng(5)
+    mirror.wait()
+    [(kind, details, thread)] = reporter.events
+    assert kind == ev.RNG_NOT_MIRRORED and details["step"] == 5 and details["reason"] == "store unreachable"
+    assert thread == threading.get_ident()
+    mirror.write_rng(6)  # the store is taken for lost until the next plan names one: no second event
+    assert len(reporter.events) == 1
