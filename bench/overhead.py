@@ -48,11 +48,12 @@ NO_T2 = 100_000  # checkpoint interval: longer than any run here
 BUDGET = 0.02
 # n_layer x n_embd -> (n_layer, n_embd, n_head, steps). With 4 ranks on 2 quiet cores the steps take
 # about 40, 200 and 500 ms (measured under a load average of 16: 51, 360 and 1600 ms); the step counts
-# leave a measured window of about 6-15 s on a quiet machine.
+# leave a window of about 30-40 s on a quiet machine after the standbys are up (4 standbys importing at
+# low priority beside 4 busy ranks on 2 cores take about half a minute).
 SIZES: dict[str, tuple[int, int, int, int]] = {
-    "2x48": (2, 48, 2, 1000),
-    "4x256": (4, 256, 4, 100),
-    "8x384": (8, 384, 6, 60),
+    "2x48": (2, 48, 2, 3000),
+    "4x256": (4, 256, 4, 500),
+    "8x384": (8, 384, 6, 150),
 }
 CONFIGS = ("torchrun", "undying, snapshot every step", "undying, snapshot auto")
 RUN_TIMEOUT_S = 900
