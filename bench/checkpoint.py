@@ -6,6 +6,7 @@ Runs standalone (no job, no agent): the engine's own classes on the same tensors
 sees. The physical limit is a plain ``copy_`` of the same tensors into preallocated memory.
 
     python bench/checkpoint.py --out bench/results/checkpoint.json
+    python bench/checkpoint.py --sizes 50M 200M --loop-rounds 0 --rounds 3   # persistence only, 3 rounds
 """
 
 from __future__ import annotations
@@ -293,7 +294,19 @@ def measure_async_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             "gil_wait_idle": idle, "gil_wait_persisting": busy}
 
 
-def run_size(name: str, work: Path, repeats: int, loop_rounds: int) -> dict[str, Any]:
+def medians(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first round's result, its persist and load times replaced by the median over all rounds
+    (each round's value kept beside it, as ``<key>_runs``)."""
+    merged = dict(results[0])
+    for key in ("persist_s", "load_t2_s", "load_s"):
+        values = [result[key] for result in results if key in result]
+        if values:
+            merged[key] = statistics.median(values)
+            merged[f"{key}_runs"] = values
+    return merged
+
+
+def run_size(name: str, work: Path, repeats: int, loop_rounds: int, rounds: int = 1) -> dict[str, Any]:
     layers, adamw, full = SIZES[name]
     model, optimizer = build(layers, adamw)
     _, tensors = flatten_state(replica_state(model, optimizer))
@@ -304,13 +317,20 @@ def run_size(name: str, work: Path, repeats: int, loop_rounds: int) -> dict[str,
                            "threads": torch.get_num_threads()}
     row["copy"] = measure_copy(tensors, repeats)
     print(f"  copy_ {row['copy']['stall_s']:.3f} s", flush=True)
-    row["undying"] = measure_undying(model, optimizer, work, full, repeats)
-    print(f"  undying {row['undying']}", flush=True)
-    row["torch_save"] = measure_torch_save(model, optimizer, work)
-    print(f"  torch.save {row['torch_save']}", flush=True)
-    if full:
-        row["async_save"] = measure_async_save(model, optimizer, work)
-        print(f"  async_save {row['async_save']}", flush=True)
+    # Each round runs every method once, in turn, so that the machine's drift (other processes, the
+    # disk's cache) hits each alike; the row holds each timing's median and every round's value.
+    runs: dict[str, list[dict[str, Any]]] = {"undying": [], "torch_save": [], "async_save": []}
+    for _ in range(rounds):
+        runs["undying"].append(measure_undying(model, optimizer, work, full, repeats))
+        print(f"  undying {runs['undying'][-1]}", flush=True)
+        runs["torch_save"].append(measure_torch_save(model, optimizer, work))
+        print(f"  torch.save {runs['torch_save'][-1]}", flush=True)
+        if full:
+            runs["async_save"].append(measure_async_save(model, optimizer, work))
+            print(f"  async_save {runs['async_save'][-1]}", flush=True)
+    for method, results in runs.items():
+        if results:
+            row[method] = medians(results)
     if adamw and loop_rounds:
         del model, optimizer, tensors
         row["loop"] = measure_in_loop(layers, LOOP_BATCH, loop_rounds)
@@ -373,6 +393,8 @@ def main() -> int:
     parser.add_argument("--loop-rounds", type=int, default=7,
                         help="training-loop rounds (one step without, one with a boundary, one with an "
                              "overlapped snapshot); 0 skips the loop measurement")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="persist and load measurements per method, interleaved (medians reported)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: model and optimizer on the GPU, "
                         "every size with AdamW state")
     parser.add_argument("--work-dir", default=None, help="where checkpoints are written (default: a temp dir)")
@@ -389,7 +411,7 @@ def main() -> int:
     rows = []
     try:
         for name in args.sizes:
-            rows.append(run_size(name, work, args.repeats, args.loop_rounds))
+            rows.append(run_size(name, work, args.repeats, args.loop_rounds, args.rounds))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "torch": torch.__version__,

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from undying.checkpoint.dcp_writer import check_complete, checksummed_writer, records_of, write_threads
 from undying.checkpoint.state_tree import flatten_state, unflatten_state
 from undying.checkpoint.storage import (
     CommittedCheckpoint,
@@ -32,7 +33,6 @@ from undying.checkpoint.storage import (
     FileRecord,
     Location,
     is_url,
-    record_file,
     verify_files,
 )
 
@@ -136,26 +136,22 @@ def from_dcp(state: dict[str, Any]) -> dict[str, Any]:
 def write_shared_shard(staging: Location, replica_state: dict[str, Any],
                        param_names: list[list[str]]) -> list[FileRecord]:
     """Save the shared shard with DCP into ``staging`` (a local directory or a URL); return the
-    records of every file DCP wrote.
+    records of every file DCP wrote, checksummed as they were written (checkpoint/dcp_writer.py).
 
-    Tensors may be views into a T1 slot: DCP copies each into a tensor of its own size before
-    ``torch.save``, one at a time, so the extra memory is the largest tensor.
+    Tensors may be views into a T1 slot: DCP hands each to ``torch.save`` as it is (a copy of its
+    own size first where its storage is larger), so the extra memory is at most the largest tensor
+    per writer thread. A large state is written by two threads into two data files.
     """
     # Imported here, not at module load: torch.distributed.checkpoint costs every worker ~1.6 s of
     # import (3+ s with four workers on two cores), on the critical path of a cold replacement.
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    if is_url(staging):
-        # No sync_files: an fsspec file without a descriptor makes DCP fall back to os.sync() of the
-        # whole machine; behind a URL, durability is the store's once a file is closed.
-        writer: FileSystemWriter = FsspecWriter(staging, sync_files=False, single_file_per_rank=True)
-    else:
-        writer = FileSystemWriter(staging, sync_files=True, single_file_per_rank=True)
-    metadata = dcp.save(to_dcp(replica_state, param_names), storage_writer=writer, no_dist=True)
+    state = to_dcp(replica_state, param_names)
+    writer, files = checksummed_writer(staging, write_threads(flatten_state(state)[1]))
+    metadata = dcp.save(state, storage_writer=writer, no_dist=True)
+    check_complete(staging, metadata)
     names = sorted({info.relative_path for info in metadata.storage_data.values()}) + [DCP_METADATA]
-    return [record_file(staging, name) for name in names]
+    return records_of(staging, files, names)
 
 
 def is_dcp_shard(ckpt: CommittedCheckpoint) -> bool:

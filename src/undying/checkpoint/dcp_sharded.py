@@ -21,13 +21,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from undying.checkpoint.dcp_format import DCP_DATA_SUFFIX, DCP_METADATA
+from undying.checkpoint.dcp_writer import checksummed_writer, records_of
 from undying.checkpoint.storage import (
     CommittedCheckpoint,
     CorruptCheckpoint,
     FileRecord,
     Location,
     is_url,
-    record_file,
     verify_files,
 )
 
@@ -97,16 +97,12 @@ class Exchange:
 
 def save_sharded(staging: Location, state_dict: dict[str, Any], exchange: Exchange) -> list[FileRecord]:
     """Write this rank's part of the checkpoint into ``staging`` (the coordinator also the global
-    ``.metadata``); return the records of the files this rank wrote. ``state_dict`` holds DTensors
-    for what is sharded (built from local shards, no collective involved)."""
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    ``.metadata``); return the records of the files this rank wrote, checksummed as they were written
+    (one file per rank: the ranks write in parallel already). ``state_dict`` holds DTensors for what
+    is sharded (built from local shards, no collective involved)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    if is_url(staging):
-        writer: FileSystemWriter = FsspecWriter(staging, sync_files=False, single_file_per_rank=True)
-    else:
-        writer = FileSystemWriter(staging, sync_files=True, single_file_per_rank=True)
+    writer, files = checksummed_writer(staging)
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
                            is_coordinator=exchange.coordinator)
@@ -128,7 +124,7 @@ def save_sharded(staging: Location, state_dict: dict[str, Any], exchange: Exchan
         assert metadata is not None, "the coordinator planned the checkpoint"
         writer.finish(metadata=metadata, results=all_results)
         names.append(DCP_METADATA)
-    return [record_file(staging, name) for name in names]
+    return records_of(staging, files, names)
 
 
 def reader(ckpt: CommittedCheckpoint) -> Any:

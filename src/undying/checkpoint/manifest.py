@@ -214,8 +214,13 @@ def is_int(value: object) -> bool:
 # ------------------------------------------------------------ checksums and JSON
 
 
+def crc32_checksum(crc: int) -> str:
+    """A manifest's spelling of a CRC-32 (``zlib.crc32``'s value)."""
+    return f"{CHECKSUM_ALGO}:{crc & 0xFFFFFFFF:08x}"
+
+
 def checksum_bytes(data: bytes | memoryview) -> str:
-    return f"{CHECKSUM_ALGO}:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    return crc32_checksum(zlib.crc32(data))
 
 
 def checksum_stream(stream: IO[bytes]) -> tuple[int, str]:
@@ -224,7 +229,7 @@ def checksum_stream(stream: IO[bytes]) -> tuple[int, str]:
     while chunk := stream.read(_READ_CHUNK):
         crc = zlib.crc32(chunk, crc)
         size += len(chunk)
-    return size, f"{CHECKSUM_ALGO}:{crc & 0xFFFFFFFF:08x}"
+    return size, crc32_checksum(crc)
 
 
 def json_normalized(meta: dict[str, Any]) -> dict[str, Any]:

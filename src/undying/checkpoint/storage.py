@@ -22,7 +22,10 @@ Guarantees:
   first (local: the directory is renamed away first), so a half-deleted checkpoint is no
   longer one.
 * Nothing is handed to ``torch.load`` before its size and CRC-32 match the manifest, and
-  the manifest carries a checksum of its own, so a flipped byte anywhere is detected.
+  the manifest carries a checksum of its own, so a flipped byte anywhere is detected. A file's
+  CRC-32 is taken over its bytes on their way to the storage (``save_object``; DCP's files
+  through checkpoint/dcp_writer.py, ``record_written``, which checks the stored size), or read
+  back from a file another writer produced (``record_file``).
 
 Not guaranteed: CRC-32 detects accidental corruption (bit rot, truncation, torn writes),
 not deliberate tampering; on a shared filesystem, durability is only as good as the
@@ -92,6 +95,7 @@ __all__ = [
     "make_root",
     "prune",
     "record_file",
+    "record_written",
     "remove_stale_partials",
     "root_location",
     "save_object",
@@ -168,6 +172,19 @@ def record_file(staging: Location, name: str) -> FileRecord:
     backend.check_member(staging, name)
     backend.sync_file(staging, name)
     size, checksum = backend.file_checksum(staging, name)
+    return FileRecord(name=name, size=size, checksum=checksum)
+
+
+def record_written(staging: Location, name: str, size: int, checksum: str) -> FileRecord:
+    """The record of a file written into ``staging`` by a writer that checksummed its bytes on the way
+    out (checkpoint/dcp_writer.py): synced to disk (local), its size checked against what the file
+    now holds; nothing is read back. ``CorruptCheckpoint`` if the size differs."""
+    backend = backend_for(staging)
+    backend.check_member(staging, name)
+    backend.sync_file(staging, name)
+    stored = backend.file_size(staging, name)
+    if stored != size:
+        raise CorruptCheckpoint(f"{member_location(staging, name)}: size {stored} != {size} bytes written")
     return FileRecord(name=name, size=size, checksum=checksum)
 
 
