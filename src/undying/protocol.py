@@ -257,6 +257,7 @@ class Heartbeat(Message):
     phase: str
     pid: int
     loss: float | None = None
+    mesh_shard: int = 0  # a sharded job's ranks per replica (ft.device_mesh's shard); 0: not sharded
 
 
 @dataclass

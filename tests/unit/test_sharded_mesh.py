@@ -12,8 +12,8 @@ CPU = torch.device("cpu")
 
 
 def mesh_of(rank: int = 0, world: int = 4, replicate: int = 2, shard: int | None = 2,
-            strategies: tuple[str, ...] = ("recover-in-place",)):
-    return make_mesh(rank, world, replicate, shard, list(strategies), "gloo", CPU)
+            strategies: tuple[str, ...] = ("recover-in-place",), t1_snapshots: bool = True):
+    return make_mesh(rank, world, replicate, shard, list(strategies), "gloo", CPU, t1_snapshots=t1_snapshots)
 
 
 @pytest.mark.parametrize(("replicate", "shard"), [(3, 2), (2, 3), (0, 4), (4, 0)])
@@ -23,16 +23,40 @@ def test_a_mesh_that_does_not_cover_the_job_is_refused(replicate: int, shard: in
     assert "\n" not in str(error.value)
 
 
-def test_elastic_training_is_refused_at_the_mesh() -> None:
-    with pytest.raises(ValueError, match="recover_strategy elastic-training .*allowed with this mesh: retry, "
-                                         "recover-in-place, recover, dump, job-restart, exit"):
-        mesh_of(strategies=("recover-in-place", "elastic-training"))
+def test_elastic_training_needs_a_second_replica() -> None:
+    """HSDP shrinks by whole replicas; pure FSDP has no replica to train on without a lost rank."""
+    mesh = mesh_of(strategies=("recover-in-place", "elastic-training"))
+    assert (mesh.replicate, mesh.shard) == (2, 2)
+    with pytest.raises(ValueError, match="^ft.device_mesh: recover_strategy elastic-training .*replicate=1; "
+                                         "allowed with this mesh: retry, recover-in-place, job-restart, exit$"):
+        mesh_of(replicate=1, shard=4, strategies=("recover-in-place", "elastic-training"))
 
 
 def test_pure_fsdp_refuses_the_strategies_that_need_a_replica() -> None:
-    with pytest.raises(ValueError, match="recover_strategy recover-in-place, dump .*replicate=1; allowed with "
-                                         "this mesh: retry, job-restart, exit"):
-        mesh_of(replicate=1, shard=4, strategies=("retry", "recover-in-place", "dump"))
+    """A lost node's T1 and a dump's writer need another replica; recover-in-place needs only the
+    node's own T1 snapshot of the lost rank."""
+    with pytest.raises(ValueError, match="recover_strategy recover, dump .*replicate=1; allowed with "
+                                         "this mesh: retry, recover-in-place, job-restart, exit$") as error:
+        mesh_of(replicate=1, shard=4, strategies=("retry", "recover-in-place", "recover", "dump"))
+    assert "\n" not in str(error.value)
+
+
+def test_pure_fsdp_recovers_in_place_from_t1() -> None:
+    mesh = mesh_of(replicate=1, shard=4, strategies=("retry", "recover-in-place", "job-restart"))
+    assert (mesh.replicate, mesh.shard) == (1, 4)
+
+
+def test_pure_fsdp_refuses_recover_in_place_without_t1_snapshots() -> None:
+    with pytest.raises(ValueError, match=r"^ft.device_mesh: recover_strategy recover-in-place .*replicate=1 "
+                                         r"\(recover-in-place needs T1 snapshots: checkpoint.snapshot_interval "
+                                         r">= 1 or auto\); allowed with this mesh: retry, job-restart, exit$") as error:
+        mesh_of(replicate=1, shard=4, strategies=("recover-in-place",), t1_snapshots=False)
+    assert "\n" not in str(error.value)
+
+
+def test_hsdp_recovers_in_place_from_a_replica_without_t1_snapshots() -> None:
+    mesh = mesh_of(strategies=("recover-in-place", "recover", "dump"), t1_snapshots=False)
+    assert (mesh.replicate, mesh.shard) == (2, 2)
 
 
 def test_the_shard_dim_defaults_to_what_the_replicas_leave() -> None:

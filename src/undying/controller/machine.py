@@ -223,6 +223,8 @@ class JobMachine:
         if record is None or beat.generation < record.spawn_generation or beat.generation > self.generation:
             return reply
         self.detector.record_heartbeat(record, beat, now)
+        if beat.mesh_shard:
+            self.membership.mesh_shard = beat.mesh_shard
         if record.logged_step != beat.step and now - record.last_logged >= HEARTBEAT_LOG_EVERY:
             record.last_logged = now
             record.logged_step = beat.step

@@ -80,6 +80,20 @@ class Membership:
         self.members: list[int] = []  # ranks of the current generation, in process-group order
         self.adopted_by: dict[int, int] = {}  # node -> the spare agent id that took its place
         self.last_spare_id = -1
+        # A sharded job's ranks per replica (ft.device_mesh's shard, from the workers' heartbeats);
+        # 0: data parallel, or not heard yet. Rank r sits in replica r // mesh_shard.
+        self.mesh_shard = 0
+
+    def incomplete_replicas(self, members: list[int] | set[int]) -> list[int]:
+        """The replicas of a sharded job of which ``members`` hold some ranks but not all (none for a
+        data-parallel job): a shard's rank has no stand-in within its replica, so a generation of a
+        sharded job is made of whole replicas."""
+        shard = self.mesh_shard
+        if not shard:
+            return []
+        present = set(members)
+        rows = sorted({rank // shard for rank in present})
+        return [row for row in rows if not all(row * shard + column in present for column in range(shard))]
 
     def ranks_of(self, node: int) -> list[int]:
         return list(range(node * self.nproc_per_node, (node + 1) * self.nproc_per_node))

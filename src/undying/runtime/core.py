@@ -167,8 +167,10 @@ class Runtime:
         if self.membership.mesh is not None or self.state.models:
             raise ValueError("ft.device_mesh: call it once, before ft.wrap_model")
         mesh = make_mesh(self.rank, self.world_size, replicate, shard, list(self.spec.recover_strategy),
-                         self.backend, self.device)
+                         self.backend, self.device, t1_snapshots=self.spec.checkpoint.snapshot_interval != 0)
         self.membership.attach_mesh(mesh)
+        self.reporter.mesh_shard = mesh.shard
+        self.reporter.beat_now()
         self.state.sharded = True
         if self.joining and self.membership.group is None:
             self.recovery.join_early()

@@ -85,14 +85,16 @@ class Membership:
                                      join_timeout=self._spec.start_timeout)
         self.default_group = DefaultGroup(self.group, self.aborted)
         if self.mesh is not None:
-            self.mesh.enter(self.group, store, self.store_prefix, self.aborted, self._spec.start_timeout)
+            self.mesh.enter(self.group, store, self.store_prefix, self.aborted, self._spec.start_timeout,
+                            self.members)
         return self.group
 
     def attach_mesh(self, mesh: SwappableMesh) -> None:
         """From now on build ``mesh``'s groups with every generation's, starting with the current one."""
         self.mesh = mesh
         if self.group is not None:
-            mesh.enter(self.group, self._group_store, self.store_prefix, self.aborted, self._spec.start_timeout)
+            mesh.enter(self.group, self._group_store, self.store_prefix, self.aborted, self._spec.start_timeout,
+                       self.members)
 
     def leave_group(self) -> None:
         if self.mesh is not None:

@@ -4,9 +4,10 @@ Runs in the worker. ``ft.device_mesh(replicate=R, shard=S)`` returns a torch ``D
 (R, S), dims ``("replicate", "shard")``: row r is replica r, column c holds shard c, and rank g sits
 at (g // S, g % S). FSDP2 and DTensor read a mesh's groups once and keep the objects, while undying
 replaces every process group at each recovery; so each dim's group is a ``SwappableGroup``, a torch
-``ProcessGroup`` whose name, rank and size stay fixed and whose collectives go to the current
-generation's backend group. ``Membership.build_group`` builds those (``SwappableMesh.enter``) with the
-training group, and ``leave_group`` retires them. Every collective of theirs is waited like any other
+``ProcessGroup`` whose name stays fixed and whose collectives go to the current generation's backend
+group; after an elastic shrink (whole replicas left) the replicate dim's groups hold fewer ranks.
+``Membership.build_group`` builds those (``SwappableMesh.enter``) with the training group, and
+``leave_group`` retires them. Every collective of theirs is waited like any other
 of undying's: bounded by ``comm_timeout``, given up when the controller aborts the generation
 (runtime/pg.py). docs/sharding.md has the design and what it was measured against.
 """
@@ -81,19 +82,33 @@ class BoundedWork(dist.Work):
 
 class SwappableGroup(dist.ProcessGroup):
     """A mesh dim's group for the life of the job: FSDP2 and the DeviceMesh hold this object, and
-    ``swap`` points it at the next generation's ``MeshDimGroup``. ``members``: the job ranks of the
-    group in group-rank order."""
+    ``SwappableMesh.enter`` points it at the next generation's ``MeshDimGroup``. ``members``: the job
+    ranks of the group in the current generation, in group-rank order. ``rank()`` and ``size()`` are
+    the current generation's: after an elastic shrink the replicate dim's group holds only the
+    surviving replicas (FSDP2 reads ``size()`` at every gradient reduction)."""
 
     def __init__(self, name: str, rank: int, members: list[int]) -> None:
         super().__init__(rank, len(members))  # type: ignore[call-arg]  # the stub lacks this overload
         self._name = GroupName(name)
         self.members = members
+        self._rank = rank
         self.dim: MeshDimGroup | None = None
 
     @property
     def group_name(self) -> GroupName:
         # torch's own property asks the backend, of which this object has none.
         return self._name
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return len(self.members)
+
+    def resize(self, members: list[int], job_rank: int) -> None:
+        """This generation's members of the group (``job_rank`` among them)."""
+        self.members = members
+        self._rank = members.index(job_rank)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "undying"
@@ -127,7 +142,9 @@ forward_collectives(SwappableGroup)
 
 class SwappableMesh:
     """This rank's (replicate, shard) mesh: its two swappable groups and the torch DeviceMesh over
-    them. Shape and placement are fixed for the job (an elastic job cannot shard; runtime/core.py)."""
+    them. The DeviceMesh keeps the job's shape and each rank its shard column for the life of the
+    job; after an elastic shrink (whole replicas left, ``surviving_replicas``) the replicate dim's
+    groups hold the surviving replicas only, renumbered in replica order."""
 
     def __init__(self, rank: int, replicate: int, shard: int, backend: str, device: torch.device) -> None:
         self.rank, self.replicate, self.shard = rank, replicate, shard
@@ -138,6 +155,7 @@ class SwappableMesh:
             SwappableGroup(f"undying-shard{row}", column, [row * shard + c for c in range(shard)]),
         )
         self.generation = 0
+        self.members = list(range(replicate * shard))  # the job ranks of the current generation
         self.device_mesh = self._device_mesh()
         self.register()
 
@@ -159,11 +177,19 @@ class SwappableMesh:
         column = rank % self.shard
         return [column + self.shard * row for row in range(self.replicate)]
 
+    @property
+    def replicas(self) -> int:
+        """Replicas training in the current generation (``replicate`` unless shrunk)."""
+        return self.groups[0].size()
+
     def enter(self, training: GenerationGroup, store: dist.Store, prefix: str, should_abort: Callable[[], bool],
-              join_timeout: float) -> None:
+              join_timeout: float, members: list[int] | None = None) -> None:
         """Build the training group's generation for both dims (every rank builds replicate first, then
-        shard: one order everywhere, so no two groups wait on each other) and point the mesh at them."""
+        shard: one order everywhere, so no two groups wait on each other) and point the mesh at them.
+        ``members``: the generation's job ranks in training-group order (all of them if not given);
+        they must be whole replicas."""
         self.leave()
+        self.take_members(members or list(range(self.replicate * self.shard)))
         for group in self.groups:
             dim = MeshDimGroup(group.group_name, store, f"{prefix}/mesh/{group.group_name}", training.generation,
                                group.rank(), group.size(), self.backend, training.comm_timeout_s, self.device,
@@ -172,6 +198,15 @@ class SwappableMesh:
             training.abort_also(dim.abort_backend)
         self.generation = training.generation
         self.register()
+
+    def take_members(self, members: list[int]) -> None:
+        """The generation's job ranks (whole replicas, in training-group order): the replicate dim's
+        groups hold the replicas among them, renumbered in replica order; a shard dim's group is its
+        replica, the same in every generation the replica trains in."""
+        rows = surviving_replicas(members, self.replicate, self.shard)
+        self.members = list(members)
+        column = self.rank % self.shard
+        self.groups[0].resize([column + self.shard * row for row in rows], self.rank)
 
     def leave(self) -> None:
         """Retire this generation's dim groups (their pending works stop waiting) and drop them
@@ -202,8 +237,20 @@ class SwappableMesh:
                 distributed_c10d._unregister_process_group(group.group_name)
             distributed_c10d._register_process_group(group.group_name, group)
             world.pg_map[group] = (self.backend, dist.HashStore())
-            world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(group.members)}
+            # Keyed by the rank in torch's default group, which is the rank's place among the members.
+            world.pg_group_ranks[group] = {self.members.index(rank): index for index, rank in enumerate(group.members)}
             tag = f"undying:{group.group_name}"
             world.pg_to_tag[group] = tag
             if group not in world.tags_to_pg.setdefault(tag, []):
                 world.tags_to_pg[tag].append(group)
+
+
+def surviving_replicas(members: list[int], replicate: int, shard: int) -> list[int]:
+    """The replicas (mesh rows) ``members`` consists of, in order; raises unless every one of them is
+    whole (all ``shard`` columns present): a shard's rank has no stand-in within its replica."""
+    rows = sorted({rank // shard for rank in members})
+    broken = [row for row in rows if any(row * shard + column not in members for column in range(shard))]
+    if broken or not rows or rows[-1] >= replicate:
+        raise ValueError(f"mesh: the generation's ranks {sorted(members)} are not whole replicas of the "
+                         f"{replicate} x {shard} mesh (incomplete replica(s) {broken or rows})")
+    return rows

@@ -50,6 +50,7 @@ class Reporter:
         self.step = 0
         self.phase: str = Phase.STARTING
         self.loss: float | None = None
+        self.mesh_shard = 0  # set by ft.device_mesh: the controller shrinks a sharded job by whole replicas
         self.abort_generation = 0  # the newest generation the controller told us to abandon
         self.end_generation = 0  # the newest generation the controller ends at a step boundary
         self.mirror_store = ""  # failover jobs: a second store for the RNG mirror (from heartbeat replies)
@@ -100,7 +101,8 @@ class Reporter:
 
     def _beat(self, client: ControllerClient) -> None:
         """One heartbeat; its reply says which generations the controller aborted or ends."""
-        beat = Heartbeat(self.rank, self.node, self.generation, self.step, self.phase, os.getpid(), self.loss)
+        beat = Heartbeat(self.rank, self.node, self.generation, self.step, self.phase, os.getpid(), self.loss,
+                         self.mesh_shard)
         sent_at = time.monotonic()
         try:
             reply = HeartbeatReply.from_dict(client.post(ROUTE_WORKER_HEARTBEAT, beat.to_dict()))

@@ -18,17 +18,19 @@ from torch.distributed.tensor import DTensor
 from undying.runtime.mesh import SwappableGroup, SwappableMesh
 from undying.strategy_names import StrategyName
 
-# What a sharded job may list in recover_strategy besides exit and job-restart. Not yet: elastic
-# training (it would shrink by whole replica groups, changing the mesh FSDP was built on).
-SHARDED_STRATEGIES = (StrategyName.RETRY, StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER, StrategyName.DUMP)
-REFUSED_STRATEGIES = (StrategyName.ELASTIC,)
-# They need another replica of each shard (replicate >= 2): a repair's donor, a dump's writer.
-REPLICA_STRATEGIES = (StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER, StrategyName.DUMP)
+# What a sharded job may list in recover_strategy besides exit and job-restart.
+SHARDED_STRATEGIES = (StrategyName.RETRY, StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER, StrategyName.DUMP,
+                      StrategyName.ELASTIC)
+REFUSED_STRATEGIES: tuple[StrategyName, ...] = ()  # refused whatever the mesh
+# They need another replica of each shard (replicate >= 2): a repair's donor, a dump's writer, the
+# whole replicas an elastic shrink trains on.
+REPLICA_STRATEGIES = (StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER, StrategyName.DUMP, StrategyName.ELASTIC)
 
 
 def make_mesh(rank: int, world_size: int, replicate: int, shard: int | None, strategies: list[str],
-              backend: str, device: torch.device) -> SwappableMesh:
-    """The job's (replicate, shard) mesh after checking that it fits the job; one-line errors."""
+              backend: str, device: torch.device, t1_snapshots: bool = False) -> SwappableMesh:
+    """The job's (replicate, shard) mesh after checking that it fits the job; one-line errors.
+    ``t1_snapshots``: the job keeps T1 snapshots between checkpoints (``snapshot_interval`` not 0)."""
     if not isinstance(replicate, int) or replicate < 1:
         raise ValueError(f"ft.device_mesh: replicate must be an integer >= 1 (got {replicate!r})")
     shard = world_size // replicate if shard is None else shard
@@ -36,14 +38,18 @@ def make_mesh(rank: int, world_size: int, replicate: int, shard: int | None, str
         raise ValueError(f"ft.device_mesh: replicate x shard must equal the job's world size {world_size} "
                          f"(got {replicate} x {shard})")
     refused = [str(name) for name in strategies if name in REFUSED_STRATEGIES]
+    t1_in_place = (StrategyName.RECOVER_IN_PLACE,) if t1_snapshots else ()
     if replicate == 1:
-        # Pure FSDP: no other replica holds a lost rank's shard, so only a restart can restore it.
-        refused += [str(name) for name in strategies if name in REPLICA_STRATEGIES]
+        # Pure FSDP: no other replica holds a lost rank's shard. Its node's T1 snapshot does: a
+        # replacement on the same node restores it from there (runtime/t1_repair.py), if T1 is on.
+        refused += [str(name) for name in strategies if name in REPLICA_STRATEGIES and name not in t1_in_place]
     if refused:
-        usable = SHARDED_STRATEGIES if replicate > 1 else (StrategyName.RETRY,)
+        usable = SHARDED_STRATEGIES if replicate > 1 else (StrategyName.RETRY, *t1_in_place)
         allowed = ", ".join(str(name) for name in (*usable, StrategyName.JOB_RESTART, StrategyName.EXIT))
+        needs_t1 = replicate == 1 and not t1_snapshots and StrategyName.RECOVER_IN_PLACE in refused
+        why = " (recover-in-place needs T1 snapshots: checkpoint.snapshot_interval >= 1 or auto)" if needs_t1 else ""
         raise ValueError(f"ft.device_mesh: recover_strategy {', '.join(refused)} is not supported for a sharded "
-                         f"model with replicate={replicate}; allowed with this mesh: {allowed}")
+                         f"model with replicate={replicate}{why}; allowed with this mesh: {allowed}")
     return SwappableMesh(rank, replicate, shard, backend, device)
 
 
@@ -95,9 +101,22 @@ class ShardedModel(torch.nn.Module):
         """Nothing to do at the commit: FSDP reduced the gradients during backward."""
 
     def set_replica_share(self, gradient_weight: int, slots_per_step: int | None) -> None:
-        if slots_per_step is not None:
-            raise RuntimeError("a sharded model cannot train at a shrunk size (elastic training is refused "
-                               "for sharded jobs at ft.device_mesh)")
+        """Elastic training (the job shrunk by whole replicas): each rank's gradient stands for
+        ``gradient_weight`` of the step's ``slots_per_step`` batch slots, and the step's gradient is
+        the sum over every rank divided by ``slots_per_step / gradient_weight``, not FSDP's mean over
+        the ranks that trained. ``(1, None)``: FSDP's own mean, as a job at full size.
+
+        FSDP2 divides every rank's reduced gradient by one factor, so ``gradient_weight`` must be the
+        same on every rank (``grow`` with the slots spread evenly; the controller shrinks to no other
+        size). Sums only (``force_sum_reduction_for_comms``): gloo has no pre-multiplied sum."""
+        from torch.distributed.fsdp import FSDPModule
+
+        factor = None if slots_per_step is None else slots_per_step / gradient_weight
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                # None puts FSDP's own divisor (the groups' sizes) back.
+                module.set_gradient_divide_factor(factor)  # type: ignore[arg-type]
+                module.set_force_sum_reduction_for_comms(factor is not None)
 
     def forget_failed_step(self) -> None:
         """After a failed step: FSDP's per-iteration state is reset (its pending all-gathers belong to

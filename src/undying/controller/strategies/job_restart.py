@@ -22,6 +22,7 @@ from undying.controller.strategies.base import (
     strategy_enabled,
     within_budget,
 )
+from undying.controller.strategies.resize import sharded_refusal
 from undying.events import Event
 from undying.faults import Fault
 from undying.protocol import Order, OrderKind
@@ -56,6 +57,8 @@ def shrunk_restart_members(job: JobMachine) -> list[int] | None:
         return None
     members = [rank for rank in membership.members if membership.node_alive(membership.node_of(rank))]
     if len({membership.node_of(rank) for rank in members}) < spec.fewest_nodes:
+        return None
+    if sharded_refusal(job, members) is not None:  # a sharded job restarts on whole replicas only
         return None
     return members
 

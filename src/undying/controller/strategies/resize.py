@@ -35,6 +35,9 @@ def shrink(job: JobMachine, recovery: ActiveRecovery, now: float) -> str | None:
     if len(nodes_left) < fewest or not recovery.survivors:
         return (f"elastic-training: {len(nodes_left)} node(s) left, below min_nodes ({fewest})"
                 if recovery.survivors else "elastic-training: no healthy replica left")
+    refused = sharded_refusal(job, members)
+    if refused is not None:
+        return refused
     old_world = len(recovery.members)
     recovery.members = members
     recovery.newcomers -= dropped
@@ -49,6 +52,25 @@ def shrink(job: JobMachine, recovery: ActiveRecovery, now: float) -> str | None:
              details={"old_world_size": old_world, "new_world_size": len(members),
                       "dropped_nodes": dropped_nodes, "dropped_ranks": sorted(dropped),
                       "waited": round(now - recovery.started, 3)})
+    return None
+
+
+def sharded_refusal(job: JobMachine, members: list[int]) -> str | None:
+    """Why a sharded job cannot train on ``members`` (None if it can, or if it is data parallel): they
+    must be whole replicas, and with ``elastic_batch: grow`` as many of them as give every rank an
+    equal share of the step's slots (FSDP divides every rank's gradient by one factor)."""
+    membership = job.membership
+    shard = membership.mesh_shard
+    if not shard:
+        return None
+    broken = membership.incomplete_replicas(members)
+    if broken:
+        return (f"elastic-training: the ranks left {sorted(members)} are not whole replicas of the sharded mesh "
+                f"({shard} ranks a replica; replica(s) {broken} incomplete)")
+    replicas, kept = job.spec.world_size // shard, len(members) // shard
+    if job.spec.elastic_batch == "grow" and replicas % kept:
+        return (f"elastic-training: elastic_batch grow on a sharded mesh needs the replicas left ({kept}) to divide "
+                f"the job's ({replicas}); allowed: elastic_batch accumulate")
     return None
 
 
@@ -85,9 +107,12 @@ def grow_if_nodes_returned(job: JobMachine, now: float) -> None:
     if any(record.done for record in membership.ranks.values()):
         return
     newcomers = {rank for node in returned for rank in membership.ranks_of(node)}
+    grown = sorted(members | newcomers)
+    if len(grown) < job.spec.world_size and sharded_refusal(job, grown) is not None:
+        return  # a sharded job grows to whole replicas the workers can weight (sharded_refusal): wait for more
     pending = ActiveRecovery(StrategyName.ELASTIC,
                              Fault(FaultReason.NODE_RETURNED, node=returned[0], step=membership.committed_step()),
-                             job.generation, job.generation + 1, sorted(members | newcomers),
+                             job.generation, job.generation + 1, grown,
                              survivors=set(members), newcomers=newcomers, started=now, grow=True,
                              deadline=now + job.deadlines.grow_start)
     job.pending_grow = pending
