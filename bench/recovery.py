@@ -38,6 +38,7 @@ BASE = ["--nnodes", "2", "--nproc-per-node", "2", "--monitor-interval", "0.5", "
         "--set", "heartbeat_interval=0.5", "--set", "heartbeat_timeout=3", "--quiet"]
 PROCESS = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
            "--recover-strategy", "retry,recover-in-place,recover,dump"]
+IN_PLACE = ["--set", "process_recover=true", "--recover-strategy", "retry,recover-in-place"]
 # A sharded job refuses dump and elastic training (docs/sharding.md).
 SHARDED = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
            "--recover-strategy", "retry,recover-in-place,recover"]
@@ -65,7 +66,22 @@ SCENARIOS: dict[str, list[str]] = {
     "HSDP 2x2, recover, SIGKILL node, onto a standby agent": [*SHARDED, "--standby", "1",
                                                               "--inject", f"node:node=1:step={FAULT_STEP}",
                                                               "--", "--mesh", "2x2"],
+    # Where a replacement's state comes from: its node's T1 snapshot of the step (the default, a snapshot
+    # every step), or the source replica (T1 only at checkpoint steps, so it lacks the step).
+    "recover-in-place, SIGKILL worker, warm standby, peer transfer": [
+        *PROCESS, "--set", "checkpoint.snapshot_interval=0", "--inject", f"kill:rank=1:step={FAULT_STEP}"],
+    # Pure FSDP: no replica of a shard; recover-in-place from T1, or a rollback to T1's step (every 4 steps).
+    "FSDP 1x4, job-restart, SIGKILL worker": ["--inject", f"kill:rank=1:step={FAULT_STEP}", "--", "--mesh", "1x4"],
+    "FSDP 1x4, recover-in-place, SIGKILL worker, warm standby": [*IN_PLACE, "--inject", f"kill:rank=1:step={FAULT_STEP}",
+                                                                "--", "--mesh", "1x4"],
+    "FSDP 1x4, recover-in-place, SIGKILL worker, rollback to T1 step": [
+        *IN_PLACE, "--set", "checkpoint.snapshot_interval=4", "--inject", f"kill:rank=1:step={FAULT_STEP}",
+        "--", "--mesh", "1x4"],
 }
+WIDER = ["--n-embd", "256", "--n-layer", "4"]  # the same GPT wider, where the state's bytes count
+SCENARIOS.update({f"wider GPT, {name}": [*SCENARIOS[name], "--", *WIDER] for name in (
+    "job-restart, SIGKILL worker", "recover-in-place, SIGKILL worker, warm standby",
+    "recover-in-place, SIGKILL worker, warm standby, peer transfer")})
 
 
 def measure_undying(extra: list[str]) -> dict:

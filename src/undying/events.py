@@ -69,8 +69,15 @@ STORE_MOVED = "store_moved"  # a worker switched to the new controller's store (
 # A restore from a checkpoint written under other numerics (device model, versions, deterministic mode):
 # recorded and current records, the keys that differ, the ranks whose record differs. Training goes on.
 NUMERICS_CHANGED = "numerics_changed"
-# A replacement rank of a sharded job received its shard of the models and optimizers (from: the donor rank).
+# A replacement rank of a sharded job received its shard of the models and optimizers: source "replica"
+# (donor: the rank of another replica that sent it) or "t1" (its node's T1 snapshot of the step).
 SHARD_RECEIVED = "shard_received"
+# A receiving rank of a repair got the training state of the plan's step: source "t1" (its node's T1
+# snapshot, read from node memory; path) or "replica" (sent by the plan's source rank: donor); seconds.
+STATE_RECEIVED = "state_received"
+# A pure-FSDP job whose replacement's T1 lacks the plan's step: every rank went back in place to the
+# newest step every rank holds in T1 (target: the plan's step; step: the one the job continues from).
+T1_ROLLBACK = "t1_rollback"
 
 
 @dataclass

@@ -18,6 +18,9 @@ pytestmark = pytest.mark.faults
 MESH = ["--mesh", "2x2"]  # rows are replicas: node 0 holds replica 0 (ranks 0, 1), node 1 replica 1
 PROCESS_LEVEL = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
                  "--recover-strategy", "retry,recover-in-place,recover"]
+# T1 snapshots only at checkpoint steps: a replacement's node memory lacks the step it resumes
+# from, so its shard comes from the other replica (tests/faults/test_t1_repair.py: from T1).
+PEER_ONLY = ["--set", "checkpoint.snapshot_interval=0"]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,7 @@ def test_the_sharded_checkpoint_loads_with_plain_dcp_into_an_unsharded_model(hsd
 
 
 def test_a_killed_worker_gets_its_shard_from_its_replica_peer(hsdp_reference: JobRun, tmp_path: Path) -> None:
-    run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "kill:rank=3:step=15"], script_args=MESH)
+    run = run_job(tmp_path, [*PROCESS_LEVEL, *PEER_ONLY, "--inject", "kill:rank=3:step=15"], script_args=MESH)
     assert_bitwise(run, hsdp_reference)
     assert_survivors_kept(run, {3})
     assert run.kinds(ev.DECISION)[-1].details["strategy"] == "recover-in-place"
@@ -93,7 +96,7 @@ def test_a_lost_node_is_recovered_onto_a_spare_from_the_other_replica(hsdp_refer
 
 def test_a_hung_worker_is_replaced_and_the_survivors_give_up_its_collectives(hsdp_reference: JobRun,
                                                                              tmp_path: Path) -> None:
-    run = run_job(tmp_path, [*PROCESS_LEVEL, "--inject", "hang:rank=2:step=12"], script_args=MESH)
+    run = run_job(tmp_path, [*PROCESS_LEVEL, *PEER_ONLY, "--inject", "hang:rank=2:step=12"], script_args=MESH)
     assert_bitwise(run, hsdp_reference)
     assert_survivors_kept(run, {2})
     assert shards_received(run) == {2: 0}

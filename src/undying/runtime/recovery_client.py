@@ -3,16 +3,17 @@
 Runs in the worker. ``RecoveryClient.recover`` is the whole path, in order: leave the failed
 generation's group, check in with the controller (``/v1/worker/recover``) and wait for its plan,
 write the dying checkpoint if the plan says ``dump`` (runtime/dying_checkpoint.py), follow the job's store if it moved (controller
-failover), enter the plan's generation and build its group, then repair: the source replica sends
-its state to the replacement ranks (runtime/state_transfer.py) and every other rank rolls back its
-step in flight. A plan whose regroup or repair fails is followed by the next plan.
+failover), enter the plan's generation and build its group, then repair: a replacement whose node's
+T1 snapshot holds the plan's step loads it (runtime/t1_repair.py), the source replica sends its
+state to the other receivers (runtime/state_transfer.py), and every other rank rolls back its step
+in flight. A plan whose regroup or repair fails is followed by the next plan.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from undying import events as ev
 from undying.config import JobSpec
@@ -20,28 +21,33 @@ from undying.protocol import Phase, Plan, PlanAction
 from undying.runtime.dying_checkpoint import DyingCheckpoint
 from undying.runtime.injection_points import DUMP, RECOVERY, InjectionPoints
 from undying.runtime.membership import Membership
-from undying.runtime.pg import CollectiveError
+from undying.runtime.pg import CollectiveError, GenerationGroup
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng import restore_rng
 from undying.runtime.rng_mirror import MIRROR_TIMEOUT_S, RngMirror
 from undying.runtime.sharded import shard_donors
 from undying.runtime.state_transfer import recv_state, send_state
+from undying.runtime.t1_repair import T1Decision, T1Offer, decide, exchange_offers, held_steps, load_snapshot
 from undying.runtime.training_state import TrainingState
 
 if TYPE_CHECKING:
     from undying.runtime.snapshots import CheckpointEngine
 
 PARK_POLL_S = 1.0
+SOURCE_T1 = "t1"  # where a receiver's state came from (state_received, shard_received): its node's T1
+SOURCE_REPLICA = "replica"  # ... or a peer holding the same state (the plan's source, a shard's donor)
 
 
 class RecoveryClient:
     """Carries out the controller's recovery plans for one worker.
 
     Guarantees: ``recover`` returns only once this rank is a member of a new generation whose
-    group is built and holds the training state of the plan's ``target_step`` (received from the
-    plan's source replica, or its own step in flight rolled back), with that step marked as the
-    commit boundary. Not guaranteed: that it returns at all; a plan that gives this process no
-    part (``exit``, or after a dump) parks it until its agent stops it.
+    group is built and holds the training state of the plan's ``target_step`` (loaded from its node's
+    T1 snapshot of that step, received from the plan's source replica, or its own step in flight
+    rolled back), with that step marked as the commit boundary; in a pure-FSDP job whose receiver's
+    T1 lacks that step, every rank holds instead the newest step all of them hold in T1. Not
+    guaranteed: that it returns at all; a plan that gives this process no part (``exit``, or after
+    a dump) parks it until its agent stops it.
     """
 
     def __init__(self, spec: JobSpec, membership: Membership, state: TrainingState, reporter: Reporter,
@@ -54,6 +60,7 @@ class RecoveryClient:
         self.injections = injections
         self.checkpoints = checkpoints
         self._joined: tuple[Plan, float] | None = None  # a plan whose group join_early built already
+        self._t1_error: str | None = None  # why this receiver's T1 snapshot of the step could not be loaded
         self.dying_checkpoint = DyingCheckpoint(spec, membership, state, reporter, rng_mirror, checkpoints)
 
     def recover(self, reason: str) -> None:
@@ -131,40 +138,109 @@ class RecoveryClient:
         self.reporter.emit(ev.STORE_MOVED, step=self.state.committed_step, store=address)
 
     def _repair(self, plan: Plan) -> None:
-        """Make this rank hold the state of ``plan.target_step``: from the source replica if listed
-        as a receiver, else by rolling back its own step in flight."""
+        """Make this rank hold the state of ``plan.target_step``: a receiver from its node's T1 snapshot
+        of that step if it holds one, else from the source replica; every other rank by rolling back
+        its step in flight. A pure-FSDP job whose receiver's T1 lacks the step goes back, every rank,
+        to the newest step that all hold in T1 (runtime/t1_repair.py): the step the job continues from."""
         membership, state = self.membership, self.state
         group = membership.current_group()
         state.forget_failed_step()
-        if membership.rank == plan.source_rank:
+        decision = self._agree_on_t1(plan, group) if plan.receivers else T1Decision(frozenset())
+        if decision.rollback_step is not None:
+            self._roll_back_to_t1(plan, decision.rollback_step)
+            return
+        from_t1 = {membership.members[index] for index in decision.from_t1}
+        from_peer = [receiver for receiver in plan.receivers if receiver not in from_t1]
+        if membership.rank == plan.source_rank and from_peer:
             send_state(group, state.replica_state(), [membership.members.index(receiver)
-                                                      for receiver in plan.receivers], membership.device)
-        if membership.rank in plan.receivers:
+                                                      for receiver in from_peer], membership.device)
+        if membership.rank in from_peer:
+            started = time.monotonic()
             # Into this rank's own tensors where it has them (its model's parameters): no second copy.
             received = recv_state(group, membership.members.index(plan.source_rank), membership.device,
                                   live=state.replica_state())
             state.load_replica_state(received)
+            self.reporter.emit(ev.STATE_RECEIVED, step=plan.target_step, source=SOURCE_REPLICA,
+                               donor=plan.source_rank, seconds=round(time.monotonic() - started, 4),
+                               **({"t1_error": self._t1_error} if self._t1_error else {}))
         if state.sharded:
-            self._repair_shards(plan)
+            self._repair_shards(plan, from_peer)
+        rng: dict[str, Any] | None = None  # a receiver from T1 restored the snapshot's RNG with it
+        if membership.rank in from_peer:
+            rng = self.rng_mirror.read(plan.target_step, fallbacks=plan.rng_stores)
+        elif membership.rank not in from_t1:
+            rng = state.roll_back_step_in_flight()
         if membership.rank in plan.receivers:
             state.holds_state = True
-            rng = self.rng_mirror.read(plan.target_step, fallbacks=plan.rng_stores)
-        else:
-            rng = state.roll_back_step_in_flight()
         if rng:
             restore_rng(rng)
-        state.committed_step = plan.target_step
-        self.rng_mirror.write_rng(state.committed_step, state.mark_commit_boundary())
+        self._committed(plan.target_step)
 
-    def _repair_shards(self, plan: Plan) -> None:
-        """A sharded job: each receiver gets its shard of the models and optimizers from a rank that
-        holds the same shard in another replica (runtime/sharded.py ``shard_donors``), after the
-        replica state every rank shares."""
+    def _committed(self, step: int) -> None:
+        self.state.committed_step = step
+        self.rng_mirror.write_rng(step, self.state.mark_commit_boundary())
+
+    def _agree_on_t1(self, plan: Plan, group: GenerationGroup) -> T1Decision:
+        """Every member: a receiver first loads its own T1 snapshot of the target step if its node
+        holds a complete one; then all exchange what they hold (one small all-reduce) and ``decide``
+        alike who still receives from a peer. Raises ShardLost where nothing can repair a lost shard."""
         membership, state = self.membership, self.state
-        if not plan.receivers:
+        snapshots = self.checkpoints.snapshots
+        held = held_steps(snapshots, membership.replicas)
+        loaded, seconds, self._t1_error = False, 0.0, None
+        if membership.rank in plan.receivers and plan.target_step in held:
+            started = time.monotonic()
+            try:
+                load_snapshot(snapshots, state, plan.target_step)
+                loaded = True
+            except Exception as error:  # whatever a snapshot that does not load raises: a peer can still send it
+                held.remove(plan.target_step)  # ... over whatever was loaded
+                self._t1_error = f"T1 snapshot of step {plan.target_step} unusable: {error}"
+            seconds = round(time.monotonic() - started, 4)
+        offer = T1Offer(loaded, state.committed_step if state.holds_state else None, tuple(held))
+        offers = exchange_offers(group, offer, self.spec.checkpoint.snapshot_slots, membership.device)
+        mesh = membership.mesh
+        decision = decide(offers, [membership.members.index(receiver) for receiver in plan.receivers],
+                          plan.target_step, replicas_hold_state=mesh is None or mesh.replicate > 1)
+        if loaded and decision.rollback_step is None:
+            self.reporter.emit(ev.STATE_RECEIVED, step=plan.target_step, source=SOURCE_T1,
+                               path=str(snapshots.directory), seconds=seconds)
+            if mesh is not None:
+                self.reporter.emit(ev.SHARD_RECEIVED, step=plan.target_step, source=SOURCE_T1,
+                                   shard=membership.rank % mesh.shard, seconds=seconds)
+        return decision
+
+    def _roll_back_to_t1(self, plan: Plan, step: int) -> None:
+        """Pure FSDP: go back to ``step`` with every other rank: from this rank's T1 snapshot of it, or,
+        holding that step live already, by rolling back the step in flight. Later snapshots belong to
+        the history given up here and are forgotten."""
+        membership, state = self.membership, self.state
+        started = time.monotonic()
+        if state.holds_state and state.committed_step == step:
+            restore_rng(state.roll_back_step_in_flight())
+        else:
+            if state.holds_state:
+                state.roll_back_step_in_flight()  # a GradScaler's memory of the failed step goes with it
+            load_snapshot(self.checkpoints.snapshots, state, step)  # the snapshot's RNG too
+        self.checkpoints.snapshots.invalidate(keep_step=step)
+        state.holds_state = True
+        self.reporter.emit(ev.T1_ROLLBACK, step=step, target=plan.target_step, source=SOURCE_T1,
+                           seconds=round(time.monotonic() - started, 4))
+        if membership.rank in plan.receivers and membership.mesh is not None:
+            self.reporter.emit(ev.SHARD_RECEIVED, step=step, source=SOURCE_T1,
+                               shard=membership.rank % membership.mesh.shard,
+                               seconds=round(time.monotonic() - started, 4))
+        self._committed(step)
+
+    def _repair_shards(self, plan: Plan, receivers: list[int]) -> None:
+        """A sharded job: each of ``receivers`` (those whose T1 did not hold the step) gets its shard of
+        the models and optimizers from a rank that holds the same shard in another replica
+        (runtime/sharded.py ``shard_donors``), after the replica state every rank shares."""
+        membership, state = self.membership, self.state
+        if not receivers:
             return
         assert membership.mesh is not None, "a sharded job's membership has its mesh"
-        donors = shard_donors(membership.mesh, list(plan.receivers), membership.members)
+        donors = shard_donors(membership.mesh, receivers, membership.members)
         group = membership.current_group()
         mine = [receiver for receiver, donor in donors.items() if donor == membership.rank]
         if mine:
@@ -174,6 +250,6 @@ class RecoveryClient:
             started = time.monotonic()
             state.load_shard_state(recv_state(group, membership.members.index(donors[membership.rank]),
                                               membership.device, live=state.shard_state()))
-            self.reporter.emit(ev.SHARD_RECEIVED, step=plan.target_step, source="replica",
+            self.reporter.emit(ev.SHARD_RECEIVED, step=plan.target_step, source=SOURCE_REPLICA,
                                donor=donors[membership.rank], shard=membership.rank % membership.mesh.shard,
                                seconds=round(time.monotonic() - started, 4))

@@ -42,9 +42,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from undying import events as ev
+
 if TYPE_CHECKING:
     from undying.config.model import CheckpointSpec
     from undying.runtime.membership import Membership
+    from undying.runtime.reporter import Reporter
 
 START_INTERVAL = 1  # every step until measured: the non-auto default
 ROUND_STEPS_MAX = 20  # at most this many steps between two round boundaries (fewer with a shorter T2 interval)
@@ -162,6 +165,27 @@ class SnapshotCadence:
         if not self.enter(generation, step) and committed_at is not None and timed:
             self.observe(now - committed_at - (stall or 0.0), stall)
         return self.at_boundary(step, group_rank, replicas)
+
+    def pace(self, step: int, membership: Membership, reporter: Reporter, checkpoint_interval: int,
+             timed: tuple[int, float, float] | None, copying: bool, last_stall: float) -> None:
+        """The checkpoint engine, at every commit: hand the cadence the step that just committed
+        (``committed``), and emit its change of interval.
+
+        ``timed``: the snapshot taken at the previous commit, if any (its step, the call's seconds,
+        the copy's part of them). What it cost the training thread: the call itself plus, overlapped,
+        the optimizer step's wait for the copy (the engine's ``settle`` added it to ``last_stall``).
+        The step after a checkpoint is not timed: its save may have waited for the persister, and a
+        snapshot still ``copying`` (no optimizer step since) has no cost yet."""
+        stall = None
+        if timed is not None and not copying:
+            stall = timed[1] + max(0.0, last_stall - timed[2])
+        untimed = (step - 1) % checkpoint_interval == 0 or (timed is not None and stall is None)
+        change = self.committed(step, membership.generation, membership.group_rank, membership.replicas,
+                                stall=stall, timed=not untimed)
+        if change is not None:
+            reporter.emit(ev.SNAPSHOT_INTERVAL, step=step, interval=change.interval, previous=change.previous,
+                          stall=round(change.stall_seconds, 6), step_seconds=round(change.step_seconds, 6),
+                          cost=round(change.cost, 5), budget=self.budget)
 
     def observe(self, step_seconds: float, stall_seconds: float | None) -> None:
         """One step's time without snapshot, and the stall of the snapshot taken before it (None: none)."""

@@ -1,5 +1,5 @@
 """Worker side of the state tiers: T1 snapshots at step boundaries, T2 persistence in the
-background, and the restore that chooses between node memory and storage.
+background, and the restore from node memory or storage (rank 0's choice: runtime/restore_plan.py).
 
 Runs in the worker. ``Runtime`` (runtime/core.py) owns one ``CheckpointEngine`` and gives it
 the ``TrainingState`` to save and load: it calls ``at_commit`` at every commit boundary,
@@ -18,19 +18,9 @@ from typing import Any
 import torch
 
 from undying import events as ev
-from undying.checkpoint import (
-    CommittedCheckpoint,
-    CorruptCheckpoint,
-    Location,
-    latest_verified,
-    list_committed,
-    load_object,
-    make_root,
-    remove_stale_partials,
-    root_location,
-)
+from undying.checkpoint import CommittedCheckpoint, Location, list_committed, load_object, root_location
 from undying.checkpoint.copy import updated_only_by
-from undying.checkpoint.dcp_format import UNDYING_KEY, is_dcp_shard, optimizer_param_names, read_shared_shard
+from undying.checkpoint.dcp_format import optimizer_param_names
 from undying.checkpoint.manifest import NUMERICS_KEY
 from undying.checkpoint.persister import Persister, PersistResult
 from undying.checkpoint.snapshot import RankSnapshots, SnapshotUnavailable
@@ -41,15 +31,13 @@ from undying.runtime.devices import numerics_differences, numerics_record
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
 from undying.runtime.reporter import Reporter
+from undying.runtime.restore_plan import SOURCE_MEMORY, SOURCE_STORAGE, choose_restore
 from undying.runtime.sharded_checkpoint import DcpLayout
 from undying.runtime.snapshot_cadence import SnapshotCadence
 from undying.runtime.state_transfer import broadcast_state
 from undying.runtime.training_state import TrainingState
 from undying.shm import node_dir
 
-LEGACY_SHARED_FILE = "train_state.pt"  # the shared shard before the DCP format (still loadable)
-SOURCE_MEMORY = "memory"
-SOURCE_STORAGE = "storage"
 RECORDS_TIMEOUT_MIN_S = 60.0  # rank 0 waits at least this long for the other ranks' file records
 PERSIST_STORE_TIMEOUT_S = 10.0  # the persister's store connection: per call, not for the records wait
 
@@ -154,7 +142,9 @@ class CheckpointEngine:
     def at_commit(self, step: int) -> None:
         """Snapshot and/or persist as the knobs say, and report finished persistence jobs."""
         if self._cadence is not None:
-            self._pace(self._cadence, step)
+            timed, self._timed_snapshot = self._timed_snapshot, None
+            self._cadence.pace(step, self.membership, self.reporter, self.spec.interval, timed,
+                               copying=self._copying is not None, last_stall=self.last_stall)
         if step % self.spec.interval == 0:
             self.save(step)
         elif self._cadence is not None and self._cadence.due(step):
@@ -164,26 +154,6 @@ class CheckpointEngine:
         elif self._fixed_interval and step % self._fixed_interval == 0:
             self.snapshot(step)
         self._report_results()
-
-    def _pace(self, cadence: SnapshotCadence, step: int) -> None:
-        """``auto``: hand the cadence the step that just committed, and emit its change of interval.
-
-        What the snapshot taken at the previous commit cost the training thread: the call itself
-        plus, overlapped, the optimizer step's wait for the copy (``settle`` added it to
-        ``last_stall``). The step after a checkpoint is not timed: its save may have waited for the
-        persister, and a snapshot still copying (no optimizer step since) has no cost yet."""
-        timed, self._timed_snapshot = self._timed_snapshot, None
-        stall = None
-        if timed is not None and self._copying is None:  # timed is the previous step's snapshot, if any
-            stall = timed[1] + max(0.0, self.last_stall - timed[2])
-        untimed = (step - 1) % self.spec.interval == 0 or (timed is not None and stall is None)
-        membership = self.membership
-        change = cadence.committed(step, membership.generation, membership.group_rank, membership.replicas,
-                                   stall=stall, timed=not untimed)
-        if change is not None:
-            self.reporter.emit(ev.SNAPSHOT_INTERVAL, step=step, interval=change.interval, previous=change.previous,
-                               stall=round(change.stall_seconds, 6), step_seconds=round(change.step_seconds, 6),
-                               cost=round(change.cost, 5), budget=cadence.budget)
 
     def snapshot(self, step: int) -> bool:
         """Copy the committed state into T1; False if every other slot was pinned (skipped).
@@ -337,7 +307,8 @@ class CheckpointEngine:
         reports: list[dict[str, Any]] = []  # rank 0: every rank's, in group order
         if gathered is not None:
             reports = [json.loads(blob) for blob in gathered]
-            plan, loaded = self._choose([set(each["held"]) for each in reports])
+            plan, loaded = choose_restore(self.root, membership.generation, [set(each["held"]) for each in reports],
+                                          training.sharded, self._report_corrupt)
             group.publish("restore_plan", json.dumps(plan).encode())
         plan = json.loads(group.read("restore_plan", self._restore_timeout))
         source, step = plan["source"], plan["step"]
@@ -372,6 +343,9 @@ class CheckpointEngine:
                            seconds=round(time.time() - started, 4), **details)
         return True
 
+    def _report_corrupt(self, path: Location, reason: str) -> None:
+        self.reporter.emit(ev.CHECKPOINT_CORRUPT, path=str(path), reason=reason)
+
     def _report_numerics(self, checkpoint: CommittedCheckpoint, records: list[dict[str, Any]]) -> None:
         """Rank 0, restoring from storage: one ``numerics_changed`` when any rank's numerics differ
         from those the checkpoint was written under; its ``current`` is the first such rank's record.
@@ -386,39 +360,3 @@ class CheckpointEngine:
         differs = sorted({key for record in changed.values() for key in numerics_differences(recorded, record)})
         self.reporter.emit(ev.NUMERICS_CHANGED, step=checkpoint.step, path=str(checkpoint.path), differs=differs,
                            ranks=list(changed), recorded=recorded, current=next(iter(changed.values())))
-
-    def _choose(self, held: list[set[int]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Rank 0: the plan every rank follows, and (for storage) the shared shard it already read."""
-        root = self.root
-        make_root(root)
-        remove_stale_partials(root, self.membership.generation)
-        memory_step = max(set.intersection(*held), default=-1) if held else -1
-        listed = list_committed(root)
-        if memory_step >= 0 and (not listed or memory_step >= listed[0].step):
-            return {"source": SOURCE_MEMORY, "step": memory_step}, None  # T2 need not even be read
-
-        def corrupt(path: Location, reason: str) -> None:
-            self.reporter.emit(ev.CHECKPOINT_CORRUPT, path=str(path), reason=reason)
-
-        older_than: int | None = None
-        while True:
-            checkpoint = latest_verified(root, on_corrupt=corrupt, older_than=older_than)
-            if checkpoint is None or memory_step >= checkpoint.step:
-                if memory_step >= 0:
-                    return {"source": SOURCE_MEMORY, "step": memory_step}, None
-                return {"source": "none", "step": -1}, None
-            try:
-                return {"source": SOURCE_STORAGE, "step": checkpoint.step}, self._read_shard(checkpoint)
-            except CorruptCheckpoint as error:
-                corrupt(checkpoint.path, str(error))
-                older_than = checkpoint.step
-
-    def _read_shard(self, checkpoint: CommittedCheckpoint) -> dict[str, Any]:
-        if is_dcp_shard(checkpoint):
-            # latest_verified just checked every file. A sharded job's ranks read their shards themselves.
-            keys = {UNDYING_KEY} if self.state.sharded else None
-            state = read_shared_shard(checkpoint, verified=True, keys=keys)
-        else:
-            state = load_object(checkpoint, LEGACY_SHARED_FILE)
-        state["committed_step"] = checkpoint.step
-        return state

@@ -1,0 +1,113 @@
+"""Recover-in-place from node memory, with real processes: a SIGKILLed worker's replacement loads its
+node's T1 snapshot of the step instead of receiving the state from a peer (data parallel), and a pure
+FSDP job (1 x 4, no replica of any shard) recovers in place at all, from T1: at the plan's step when
+the replacement's T1 holds it, else every rank goes back to the newest step all hold in T1. The
+survivors keep their processes and the final parameters are bitwise those of the fault-free run."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import FINAL_STATE, STEPS, JobRun, run_job
+from undying import events as ev
+
+pytestmark = pytest.mark.faults
+
+IN_PLACE = ["--set", "process_recover=true", "--recover-strategy", "retry,recover-in-place"]
+PURE_FSDP = ["--mesh", "1x4"]
+HSDP = ["--mesh", "2x2"]
+
+
+def reference(tmp_path_factory: pytest.TempPathFactory, mesh: list[str]) -> JobRun:
+    run_dir = tmp_path_factory.mktemp("reference-" + mesh[-1])
+    run = run_job(run_dir, script_args=[*mesh, "--final-state", str(run_dir / FINAL_STATE)])
+    assert run.returncode == 0, run.output + run.logs()
+    return run
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
+    return reference(tmp_path_factory, PURE_FSDP)
+
+
+@pytest.fixture(scope="module")
+def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
+    return reference(tmp_path_factory, HSDP)
+
+
+def assert_recovered_in_place(run: JobRun, reference: JobRun, replaced: int) -> None:
+    """Bitwise the reference's parameters; no job restart; only ``replaced`` runs in a new process."""
+    assert run.returncode == 0, run.output + run.logs()
+    assert run.result["final_step"] == STEPS
+    assert run.result["param_sha256"] == reference.result["param_sha256"], run.output + run.logs()
+    assert not run.kinds(ev.RESTART_BEGIN), "recover-in-place must not restart the job"
+    assert len(run.kinds(ev.RECOVERY_PLAN)) == 1, "one recovery, the replacement's repair did not fail"
+    assert run.kinds(ev.RECOVERY_PLAN)[-1].details["strategy"] == "recover-in-place"
+    first = {e.rank: e.details["pid"] for e in run.kinds(ev.WORKER_READY) if e.generation == 1}
+    recovered = {e.rank: e.details["pid"] for e in run.kinds(ev.RECOVERED)}
+    assert {rank for rank in range(4) if recovered[rank] != first[rank]} == {replaced}, (first, recovered)
+
+
+def received(run: JobRun, kind: str) -> dict[int, str]:
+    """Receiving rank -> where its state (or shard) came from."""
+    return {e.rank: e.details["source"] for e in run.kinds(kind)}
+
+
+def test_a_killed_workers_replacement_loads_its_state_from_its_nodes_t1(reference_run: JobRun, tmp_path) -> None:
+    """Data parallel, a snapshot every step: the replacement of rank 1 reads its node's snapshot of the
+    plan's step; the source replica sends nothing."""
+    run = run_job(tmp_path, [*IN_PLACE, "--inject", "kill:rank=1:step=15"])
+    assert_recovered_in_place(run, reference_run, replaced=1)
+    assert received(run, ev.STATE_RECEIVED) == {1: "t1"}
+    [state] = run.kinds(ev.STATE_RECEIVED)
+    assert state.step == run.kinds(ev.RECOVERY_PLAN)[-1].step
+
+
+def test_an_hsdp_replacement_loads_its_shard_from_t1_not_from_the_other_replica(hsdp_reference: JobRun,
+                                                                                tmp_path) -> None:
+    """2 x 2: rank 1 of replica 1 would hold rank 3's shard; the replacement reads its own T1 instead."""
+    run = run_job(tmp_path, [*IN_PLACE, "--inject", "kill:rank=3:step=15"], script_args=HSDP)
+    assert_recovered_in_place(run, hsdp_reference, replaced=3)
+    assert received(run, ev.SHARD_RECEIVED) == {3: "t1"}
+    assert received(run, ev.STATE_RECEIVED) == {3: "t1"}
+
+
+def test_pure_fsdp_recovers_a_killed_worker_in_place_from_t1(fsdp_reference: JobRun, tmp_path) -> None:
+    """1 x 4: no replica holds rank 2's shard, its node's T1 snapshot does."""
+    run = run_job(tmp_path, [*IN_PLACE, "--inject", "kill:rank=2:step=15"], script_args=PURE_FSDP)
+    assert_recovered_in_place(run, fsdp_reference, replaced=2)
+    assert received(run, ev.SHARD_RECEIVED) == {2: "t1"}
+    assert received(run, ev.STATE_RECEIVED) == {2: "t1"}
+    assert not run.kinds(ev.T1_ROLLBACK)
+
+
+def test_pure_fsdp_rolls_every_rank_back_to_the_newest_common_t1_step(fsdp_reference: JobRun, tmp_path) -> None:
+    """Snapshots every 4 steps: the replacement's T1 lacks the plan's step, so every rank (the
+    survivors in their own processes) goes back to the newest step all hold in T1 and trains on from
+    there; the controller and the heartbeats follow that step, and the result is still bitwise."""
+    run = run_job(tmp_path, [*IN_PLACE, "--set", "checkpoint.snapshot_interval=4",
+                             "--inject", "kill:rank=2:step=15"], script_args=PURE_FSDP)
+    assert_recovered_in_place(run, fsdp_reference, replaced=2)
+    plan = run.kinds(ev.RECOVERY_PLAN)[-1]
+    rollbacks = run.kinds(ev.T1_ROLLBACK)
+    assert {e.rank for e in rollbacks} == {0, 1, 2, 3}
+    [step] = {e.step for e in rollbacks}
+    assert step % 4 == 0 and step < plan.step, (step, plan.step)
+    assert {e.details["target"] for e in rollbacks} == {plan.step}
+    assert {e.rank: e.step for e in run.kinds(ev.RECOVERED)} == dict.fromkeys(range(4), step)
+    assert received(run, ev.SHARD_RECEIVED) == {2: "t1"}
+
+
+def test_pure_fsdp_without_a_t1_snapshot_of_the_lost_shard_falls_back_to_a_job_restart(fsdp_reference: JobRun,
+                                                                                       tmp_path) -> None:
+    """No snapshot before step 50, no checkpoint before step 100: when rank 2 dies at step 15 nothing
+    holds its shard. The repair is refused on every rank (shard lost), the chain goes on to a job
+    restart, which finds nothing to restore and trains from step 0: the same parameters at the end."""
+    run = run_job(tmp_path, [*IN_PLACE, "--checkpoint-interval", "100", "--set", "checkpoint.snapshot_interval=50",
+                             "--inject", "kill:rank=2:step=15"], script_args=PURE_FSDP)
+    assert run.returncode == 0, run.output + run.logs()
+    assert run.result["param_sha256"] == fsdp_reference.result["param_sha256"]
+    assert run.kinds(ev.RESTART_BEGIN)
+    assert not run.kinds(ev.T1_ROLLBACK) and not run.kinds(ev.STATE_RECEIVED)
+    logs = [log.read_text() for log in (run.run_dir / "logs").glob("rank*.log")]
+    assert any("ShardLost" in log and "no step of T1 is held by every rank" in log for log in logs), run.logs()
