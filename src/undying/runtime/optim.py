@@ -11,6 +11,7 @@ which step.
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -181,9 +182,13 @@ def refuse_zero_redundancy(optimizer: torch.optim.Optimizer) -> None:
     undying repairs a data-parallel rank from any peer's copy, and it keeps the process group of its
     construction, which a recovery replaces. FSDP2 shards the optimizer state in a way undying
     tracks per rank (docs/sharding.md)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer  # here: only wrap_optimizer needs it
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    # Looked up, never imported: importing torch.distributed.optim after the default group exists
+    # leaves references to that group in module state, and a dropped group must have none left (its
+    # connections, which the peers of a failed generation wait on, close only with its last one).
+    # A script that built one has imported it already.
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    if zero is not None and isinstance(optimizer, zero):
         raise ValueError("ft.wrap_optimizer: ZeroRedundancyOptimizer is not supported (its state differs per "
                          "rank and it keeps the process group it was built with); shard the optimizer state "
                          "with FSDP2 instead: ft.device_mesh(...) and fully_shard(module, mesh=mesh, "
