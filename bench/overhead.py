@@ -198,7 +198,8 @@ def torchrun_worker(args: argparse.Namespace) -> None:
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
     ended: dict[int, float] = {}
     for step in range(args.steps):
-        batch = [dataset[int(i)] for i in order[(step * world + rank) * 4:(step * world + rank + 1) * 4]]
+        start = (step * world + rank) * 4 % (len(order) - 4)  # wraps around: long runs outlast one epoch
+        batch = [dataset[int(i)] for i in order[start:start + 4]]
         _, loss = model(torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch]))
         loss.backward()
         optimizer.step()
