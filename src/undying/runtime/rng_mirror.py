@@ -78,7 +78,9 @@ class RngMirror:
         """Like ``write_rng``, but the write runs on the mirror's thread: the state is captured now,
         and ``wait`` returns once it is in the store (or found unreachable)."""
         data = rng_to_bytes(state if state is not None else capture_rng())
-        self.wait()
+        self.wait()  # after it, _last and _store_lost are the writer thread's final word
+        if self._last == (step, data) or self._store_lost:
+            return  # nothing to write (the commit boundary's state is usually the vote's): no trip to the thread
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_forever, name="undying-rng-mirror", daemon=True)
             self._writer.start()
