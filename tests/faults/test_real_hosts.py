@@ -30,7 +30,13 @@ from tests.conftest import (
     wait_no_processes,
 )
 from tests.faults.netns import WORKER_ENV, Network
-from tests.faults.test_elastic import LOSS_RTOL, PARAM_ATOL, global_loss, step_samples
+from tests.faults.test_elastic import (
+    LOSS_RTOL,
+    PARAM_ATOL,
+    global_loss,
+    step_samples,
+    steps_a_survivor_took_from_a_peer,
+)
 from undying import events as ev
 from undying.events import Event, read_events
 
@@ -237,33 +243,6 @@ def assert_old_ranks_of_node1_were_silent(run: JobRun, cluster: Hosts, plan: Eve
         records = [json.loads(line) for line in log.read_text().splitlines()]
         beyond = [r for r in records if r["generation"] == 1 and r["step"] >= plan.step]
         assert beyond == [], f"{log.name}: the old generation committed a step the job had not: {beyond}"
-
-
-def steps_a_survivor_took_from_a_peer(run: JobRun) -> dict[int, set[int]]:
-    """Step -> survivors that did not commit it themselves but received it from a peer's replica.
-
-    A grow ends the shrunk generation "at a step boundary" through the same abort a fault uses: a
-    rank still waiting in that step's all-reduce abandons it (runtime/pg.py ``_wait``) while its
-    peer, whose all-reduce had completed, applies the step. The plan then targets the newer step
-    and the laggard is one of its receivers: the job is consistent, but the laggard's sample
-    record of that step is missing (seen once in four runs here)."""
-    took: dict[int, set[int]] = {}
-    members = {0, 1}  # the shrunk job's ranks (node 0's)
-    for plan in run.kinds(ev.RECOVERY_PLAN):
-        laggards = set(plan.details["receivers"]) & members
-        if laggards and plan.step:
-            took.setdefault(plan.step - 1, set()).update(laggards)
-    # The same for a rank of the node that left: stopped between a step every rank committed (at the
-    # full size) and its sample record of it (seen once in CI, a planned leave).
-    samples = run.samples()
-    for shrink in run.kinds(ev.ELASTIC_SHRINK):
-        for rank in shrink.details["dropped_ranks"]:
-            last = max((step for step, records in samples.items() if any(r["rank"] == rank for r in records)),
-                       default=-1)
-            records = samples.get(last + 1, [])
-            if any(r["replicas"] == shrink.details["old_world_size"] for r in records):
-                took.setdefault(last + 1, set()).add(rank)
-    return took
 
 
 def assert_same_samples_and_close(run: HostsRun, reference: JobRun) -> None:
