@@ -78,6 +78,11 @@ STATE_RECEIVED = "state_received"
 # A pure-FSDP job whose replacement's T1 lacks the plan's step: every rank went back in place to the
 # newest step every rank holds in T1 (target: the plan's step; step: the one the job continues from).
 T1_ROLLBACK = "t1_rollback"
+# Peer copies of T1 (checkpoint.peer_copy): this rank's snapshot of the step is complete in the memory
+# of its holder's node (holder: that rank; bytes, seconds of the transfer) and every rank's copy of
+# that step is, so the step is the job's anchor; or a copy failed (reason; count since the last report).
+PEER_COPY = "peer_copy"
+PEER_COPY_FAILED = "peer_copy_failed"
 
 
 @dataclass

@@ -110,4 +110,41 @@ def test_pure_fsdp_without_a_t1_snapshot_of_the_lost_shard_falls_back_to_a_job_r
     assert run.kinds(ev.RESTART_BEGIN)
     assert not run.kinds(ev.T1_ROLLBACK) and not run.kinds(ev.STATE_RECEIVED)
     logs = [log.read_text() for log in (run.run_dir / "logs").glob("rank*.log")]
-    assert any("ShardLost" in log and "no step of T1 is held by every rank" in log for log in logs), run.logs()
+    assert any("ShardLost" in log and "no step of T1 or of its peer copies" in log for log in logs), run.logs()
+
+
+NODE_LOSS = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
+             "--recover-strategy", "retry,recover-in-place,recover", "--standby", "1"]
+
+
+def test_pure_fsdp_recovers_a_lost_node_from_the_peer_copies_on_the_other_node(fsdp_reference: JobRun,
+                                                                               tmp_path) -> None:
+    """1 x 4 on 2 nodes: node 1 (ranks 2 and 3) is lost with its memory, T1 and all. Node 0's ranks keep
+    copies of node 1's snapshots (checkpoint.peer_copy): a spare takes node 1's place, its ranks
+    receive their shards from those copies, every rank goes back to the newest step that it holds or
+    has a complete copy of (never before the job's anchor: the newest step every rank's copy was
+    confirmed of in a vote), and nothing is read from T2; the survivors keep their processes and the
+    final parameters are bitwise the fault-free run's."""
+    run = run_job(tmp_path, [*NODE_LOSS, "--inject", "node:node=1:step=15"], script_args=PURE_FSDP)
+    assert run.returncode == 0, run.output + run.logs()
+    assert run.result["final_step"] == STEPS
+    assert run.result["param_sha256"] == fsdp_reference.result["param_sha256"], run.output + run.logs()
+    assert not run.kinds(ev.RESTART_BEGIN), "a job restart would read T2"
+    assert run.kinds(ev.DECISION)[-1].details["strategy"] == "recover"
+    first = {e.rank: e.details["pid"] for e in run.kinds(ev.WORKER_READY) if e.generation == 1}
+    recovered = {e.rank: e.details["pid"] for e in run.kinds(ev.RECOVERED)}
+    assert {rank for rank in range(4) if recovered[rank] != first[rank]} == {2, 3}, (first, recovered)
+    # Before the fault, every rank's copy was confirmed by its holder: anchors at the same steps (each
+    # reported at the rank's next commit; the last one before the fault after the recovery).
+    anchored: dict[int, set[int]] = {}
+    for event in run.kinds(ev.PEER_COPY):
+        anchored.setdefault(event.step, set()).add(event.rank)
+    anchor = max(step for step, ranks in anchored.items() if ranks == {0, 1, 2, 3} and step < 15)
+    # The lost ranks' state came from the copies rank 0 and rank 1 keep of ranks 2 and 3.
+    copies = {e.rank: (e.details["source"], e.details["donor"]) for e in run.kinds(ev.SHARD_RECEIVED)}
+    assert copies == {2: ("peer_copy", 0), 3: ("peer_copy", 1)}
+    rollbacks = run.kinds(ev.T1_ROLLBACK)
+    assert {e.rank for e in rollbacks} == {0, 1, 2, 3}
+    [step] = {e.step for e in rollbacks}
+    assert anchor <= step <= run.kinds(ev.RECOVERY_PLAN)[-1].step, (anchor, step)
+    assert not run.kinds(ev.CHECKPOINT_LOAD), "nothing is loaded from T2 (or T1 at a restart)"

@@ -35,10 +35,22 @@ def test_elastic_training_needs_a_second_replica() -> None:
 def test_pure_fsdp_refuses_the_strategies_that_need_a_replica() -> None:
     """A lost node's T1 and a dump's writer need another replica; recover-in-place needs only the
     node's own T1 snapshot of the lost rank."""
-    with pytest.raises(ValueError, match="recover_strategy recover, dump .*replicate=1; allowed with "
-                                         "this mesh: retry, recover-in-place, job-restart, exit$") as error:
+    with pytest.raises(ValueError, match=r"recover_strategy recover, dump .*replicate=1 \(recover needs peer copies "
+                                         r"of T1: checkpoint.peer_copy auto.*\); allowed with "
+                                         r"this mesh: retry, recover-in-place, job-restart, exit$") as error:
         mesh_of(replicate=1, shard=4, strategies=("retry", "recover-in-place", "recover", "dump"))
     assert "\n" not in str(error.value)
+
+
+def test_pure_fsdp_with_peer_copies_recovers_a_lost_node_but_refuses_dump() -> None:
+    """With T1 copied to the next node (runtime/peer_copy.py) a lost node's shards come back from
+    memory: recover is allowed; a dump still needs a replica of each shard to write it."""
+    mesh = make_mesh(0, 4, 1, 4, ["retry", "recover-in-place", "recover"], "gloo", CPU, t1_snapshots=True,
+                     peer_copies=True)
+    assert (mesh.replicate, mesh.shard) == (1, 4)
+    with pytest.raises(ValueError, match=r"recover_strategy dump .*allowed with this mesh: retry, "
+                                         r"recover-in-place, recover, job-restart, exit$"):
+        make_mesh(0, 4, 1, 4, ["recover", "dump"], "gloo", CPU, t1_snapshots=True, peer_copies=True)
 
 
 def test_pure_fsdp_recovers_in_place_from_t1() -> None:

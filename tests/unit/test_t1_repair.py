@@ -67,16 +67,35 @@ def test_pure_fsdp_without_a_common_t1_step_cannot_be_repaired() -> None:
         decide(disjoint, [1], 15, replicas_hold_state=False)
 
 
+def test_a_lost_nodes_ranks_go_back_with_the_others_to_the_newest_step_their_copies_cover() -> None:
+    """1 x 4, node 1 (ranks 2 and 3) lost: their holders (0 and 1, holder of r is r + 2 mod 4) keep
+    copies of steps 14 and 12 of rank 2 and 14 and 13 of rank 3; the survivors hold 15 live and 15, 14
+    in T1. Step 14 is the newest every rank reaches: ranks 2 and 3 from the copies, 0 and 1 from T1."""
+    holders = {0: 2, 1: 3, 2: 0, 3: 1}
+    offers = [T1Offer(False, 15, (15, 14), copies=(14, 12)), T1Offer(False, 15, (15, 14), copies=(14, 13)),
+              replacement(False), replacement(False)]
+    decision = decide(offers, [2, 3], 15, replicas_hold_state=False, holders=holders)
+    assert decision == T1Decision(frozenset(range(4)), rollback_step=14, from_copies={2: 0, 3: 1})
+    # Without the holders' copies nothing covers the lost shards; a copy of a rank's own is no cover.
+    with pytest.raises(ShardLost, match="peer copies"):
+        decide(offers, [2, 3], 15, replicas_hold_state=False)
+    behind = [T1Offer(False, 15, (15, 14), copies=(12,)), T1Offer(False, 15, (15, 14), copies=(14, 13)),
+              replacement(False), replacement(False)]
+    with pytest.raises(ShardLost):
+        decide(behind, [2, 3], 15, replicas_hold_state=False, holders=holders)
+
+
 @pytest.mark.parametrize("offer", [survivor(0), survivor(15, 15, 14), replacement(True, 15),
-                                   replacement(False), replacement(False, 3, 0)])
+                                   replacement(False), replacement(False, 3, 0),
+                                   T1Offer(False, 15, (15, 14), copies=(14, 12)), T1Offer(False, None, (), (3,))])
 def test_an_offer_travels_as_integers_and_back(offer: T1Offer) -> None:
     row = encode_offer(offer, slots=3)
-    assert len(row) == 5 and all(isinstance(value, int) for value in row)
-    assert decode_offer(row) == offer
+    assert len(row) == 7 and all(isinstance(value, int) for value in row)
+    assert decode_offer(row, slots=3) == offer
 
 
 def test_every_rank_sees_every_offer_in_group_order() -> None:
-    offers = [survivor(15, 15, 14), replacement(True, 15, 14), survivor(0), replacement(False)]
+    offers = [survivor(15, 15, 14), replacement(True, 15, 14), survivor(0), T1Offer(False, None, (), (7, 6))]
 
     def body(group: GenerationGroup) -> list[T1Offer]:
         return exchange_offers(group, offers[group.rank], 2, torch.device("cpu"))

@@ -227,11 +227,13 @@ class RankSnapshots:
 
     def invalidate(self, keep_step: int | None = None) -> None:
         """Forget every snapshot but the one of ``keep_step``: after a restore to another point of the
-        history, an older run's later steps must never be taken for this run's."""
+        history, an older run's later steps must never be taken for this run's. A pinned one too: a
+        reader that holds its views keeps them (the pin still keeps the slot from being rewritten),
+        and no new reader finds it."""
         self.wait()
         with self._lock:
             for slot in self._slots:
-                if slot.info is not None and slot.info.step != keep_step and self._pins[slot.index] == 0:
+                if slot.info is not None and slot.info.step != keep_step:
                     slot.set_state(STATE_EMPTY)
                     slot.info = None
 
@@ -273,6 +275,16 @@ class RankSnapshots:
         views = slot.lay_out(layout)
         tensors = [view.clone() for view in views] if clone else list(views)
         return unflatten_state(skeleton, tensors)
+
+    def raw_slot(self, slot_index: int) -> tuple[SnapshotInfo, memoryview, bytes]:
+        """A pinned slot's snapshot as bytes (``Slot.raw_parts``), for a copy to another node."""
+        background = self._background
+        if background is not None and background[0] == slot_index:
+            background[2].done.wait()
+        slot = self._slots[slot_index]
+        if slot.info is None:
+            raise KeyError(f"slot {slot_index} of rank {self.rank} holds no snapshot")
+        return slot.raw_parts()
 
     def read(self, step: int, live: Any = None) -> Any:
         """A private copy of the snapshot of ``step`` (safe to keep after the slot is rewritten); with

@@ -201,11 +201,27 @@ class Slot:
             return None
         return SnapshotInfo(self.index, seq, step, generation, world_size, data_bytes)
 
+    def data_region(self, data_bytes: int) -> memoryview:
+        """The first ``data_bytes`` of the data region as writable bytes: a copy received from another
+        node is written here before ``write_meta_and_commit`` (runtime/peer_copy.py). Release it
+        (``with``) before the slot is remapped or closed."""
+        assert self._mm is not None and HEADER_BYTES + data_bytes <= self.size
+        return memoryview(self._mm)[HEADER_BYTES:HEADER_BYTES + data_bytes]
+
+    def raw_parts(self) -> tuple[SnapshotInfo, memoryview, bytes]:
+        """A complete snapshot as bytes that travel: its info, its data region (a view: release it with
+        ``with``) and its meta block (a copy)."""
+        assert self._mm is not None and self.info is not None
+        fields = _HEADER.unpack_from(self._mm, 0)
+        data_bytes, meta_offset, meta_bytes = fields[6], fields[7], fields[8]
+        return self.info, self.data_region(data_bytes), bytes(self._mm[meta_offset:meta_offset + meta_bytes])
+
     def read_meta(self) -> tuple[Any, list[tuple[int, torch.dtype, tuple[int, ...]]]]:
         assert self._mm is not None and self.info is not None
         fields = _HEADER.unpack_from(self._mm, 0)
         meta_offset, meta_bytes = fields[7], fields[8]
-        # Only bytes this job's own worker wrote into its node's private (0700) directory.
+        # Only bytes this job's own worker wrote into its node's private (0700) directory, or a peer
+        # copy committed there after its HMAC under the job's secret checked (runtime/peer_copy.py).
         meta = pickle.loads(self._mm[meta_offset:meta_offset + meta_bytes])  # noqa: S301
         return meta["skeleton"], meta["layout"]
 

@@ -52,7 +52,11 @@ class CheckpointSpec(BaseModel):
     background, overlapping the next step's forward, backward and gradient sync (its optimizer
     step waits for the copy); ``off`` copies everything at the step boundary; ``auto`` (the
     default) is ``on`` for a device's (GPU's) state and ``off`` for CPU state, where the copy
-    competes with training for the same cores (measured: no gain, docs/benchmarks.md)."""
+    competes with training for the same cores (measured: no gain, docs/benchmarks.md).
+    ``peer_copy``: ``auto`` (the default) also keeps each rank's T1 snapshot in the memory of the
+    next node when no replica holds the rank's state (a pure-FSDP mesh, ``replicate=1``, on two or
+    more nodes), so that a lost node's shards come back from memory (runtime/peer_copy.py);
+    ``off`` keeps none (a lost node's shards then come from T2)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -63,6 +67,7 @@ class CheckpointSpec(BaseModel):
     snapshot_budget: float = Field(0.02, gt=0, lt=1)
     snapshot_slots: int = Field(2, ge=2, le=8)
     overlap: Literal["auto", "on", "off"] = "auto"
+    peer_copy: Literal["auto", "off"] = "auto"
 
     _reject_bool_numbers = field_validator("interval", "keep", "snapshot_budget", "snapshot_slots",
                                            mode="before")(_reject_bool)

@@ -111,11 +111,11 @@ class Runtime:
                                     env.store_prefix, self.rank, self.reporter,
                                     backup_address=lambda: self.reporter.mirror_store)
         self.checkpoints = CheckpointEngine(self.spec, self.state, self.membership, self.reporter, self.injections,
-                                            checkpoint_root(self.spec, self.run_dir), env.job_id)
+                                            checkpoint_root(self.spec, self.run_dir), env.job_id, env.token)
         self.recovery = RecoveryClient(self.spec, self.membership, self.state, self.reporter, self.rng_mirror,
                                        self.injections, self.checkpoints)
         self.transaction = StepTransaction(self.spec, self.state, self.membership, self.reporter, self.rng_mirror,
-                                           self.injections, self.device)
+                                           self.injections, self.device, self.checkpoints.peer)
         self.reporter.emit(ev.WORKER_READY, step=0, seconds=round(time.time() - started, 4),
                            backend=self.backend, pid=os.getpid(), joining=self.joining)
 
@@ -167,7 +167,8 @@ class Runtime:
         if self.membership.mesh is not None or self.state.models:
             raise ValueError("ft.device_mesh: call it once, before ft.wrap_model")
         mesh = make_mesh(self.rank, self.world_size, replicate, shard, list(self.spec.recover_strategy),
-                         self.backend, self.device, t1_snapshots=self.spec.checkpoint.snapshot_interval != 0)
+                         self.backend, self.device, t1_snapshots=self.spec.checkpoint.snapshot_interval != 0,
+                         peer_copies=self.checkpoints.peer.copies_for(replicate))
         self.membership.attach_mesh(mesh)
         self.reporter.mesh_shard = mesh.shard
         self.reporter.beat_now()

@@ -35,7 +35,7 @@ def choose_gloo_interface(backend: str, store_address: tuple[str, int] | None,
         return None
     host, port = store_address
     try:
-        local_address = _local_address_towards(host, port)
+        local_address = local_address_towards(host, port)
     except OSError as error:
         _say_unchanged(f"cannot tell this host's address towards the store at {host}:{port} ({error})")
         return None
@@ -49,7 +49,8 @@ def choose_gloo_interface(backend: str, store_address: tuple[str, int] | None,
     return interface
 
 
-def _local_address_towards(host: str, port: int) -> str:
+def local_address_towards(host: str, port: int) -> str:
+    """This host's address on its route towards ``host:port`` (a UDP ``connect`` only asks the kernel)."""
     family, kind, protocol, _, destination = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, kind, protocol) as probe:
         probe.connect(destination)

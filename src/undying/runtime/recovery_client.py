@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 PARK_POLL_S = 1.0
 SOURCE_T1 = "t1"  # where a receiver's state came from (state_received, shard_received): its node's T1
 SOURCE_REPLICA = "replica"  # ... or a peer holding the same state (the plan's source, a shard's donor)
+SOURCE_PEER_COPY = "peer_copy"  # ... or the copy of its T1 snapshot kept on another node (runtime/peer_copy.py)
 
 
 class RecoveryClient:
@@ -79,6 +80,7 @@ class RecoveryClient:
                     self.membership.build_group()
                 rebuilt = time.monotonic()
                 self._repair(plan)
+                self.checkpoints.peer.continued(self.state.committed_step)
                 break
             except CollectiveError as error:
                 reason = f"recovery of generation {plan.generation} failed: {error}"
@@ -147,7 +149,7 @@ class RecoveryClient:
         state.forget_failed_step()
         decision = self._agree_on_t1(plan, group) if plan.receivers else T1Decision(frozenset())
         if decision.rollback_step is not None:
-            self._roll_back_to_t1(plan, decision.rollback_step)
+            self._roll_back_to_t1(plan, decision)
             return
         from_t1 = {membership.members[index] for index in decision.from_t1}
         from_peer = [receiver for receiver in plan.receivers if receiver not in from_t1]
@@ -197,11 +199,17 @@ class RecoveryClient:
                 held.remove(plan.target_step)  # ... over whatever was loaded
                 self._t1_error = f"T1 snapshot of step {plan.target_step} unusable: {error}"
             seconds = round(time.monotonic() - started, 4)
-        offer = T1Offer(loaded, state.committed_step if state.holds_state else None, tuple(held))
-        offers = exchange_offers(group, offer, self.spec.checkpoint.snapshot_slots, membership.device)
+        peer = self.checkpoints.peer
+        copies = tuple(peer.steps_held(membership.replicas)) if peer.enabled else ()
+        offer = T1Offer(loaded, state.committed_step if state.holds_state else None, tuple(held), copies)
+        offers = exchange_offers(group, offer, peer.slots(self.spec.checkpoint.snapshot_slots), membership.device)
         mesh = membership.mesh
+        # Peer copies: each rank's holder (a pure-FSDP job keeps every rank, so group index is rank).
+        holders = {membership.members.index(peer.origin_of(rank)): membership.members.index(rank)
+                   for rank in membership.members if peer.origin_of(rank) in membership.members} \
+            if peer.enabled else None
         decision = decide(offers, [membership.members.index(receiver) for receiver in plan.receivers],
-                          plan.target_step, replicas_hold_state=mesh is None or mesh.replicate > 1)
+                          plan.target_step, replicas_hold_state=mesh is None or mesh.replicate > 1, holders=holders)
         if loaded and decision.rollback_step is None:
             self.reporter.emit(ev.STATE_RECEIVED, step=plan.target_step, source=SOURCE_T1,
                                path=str(snapshots.directory), seconds=seconds)
@@ -210,12 +218,22 @@ class RecoveryClient:
                                    shard=membership.rank % mesh.shard, seconds=seconds)
         return decision
 
-    def _roll_back_to_t1(self, plan: Plan, step: int) -> None:
-        """Pure FSDP: go back to ``step`` with every other rank: from this rank's T1 snapshot of it, or,
-        holding that step live already, by rolling back the step in flight. Later snapshots belong to
-        the history given up here and are forgotten."""
+    def _roll_back_to_t1(self, plan: Plan, decision: T1Decision) -> None:
+        """Pure FSDP: go back to the decision's step with every other rank: from this rank's T1 snapshot
+        of it, or, holding that step live already, by rolling back the step in flight, or, holding it
+        nowhere (its node was lost), from the copy its holder's node keeps; a holder sends those copies.
+        Later snapshots belong to the history given up here and are forgotten."""
         membership, state = self.membership, self.state
+        assert decision.rollback_step is not None
+        step, from_copies = decision.rollback_step, decision.from_copies or {}
         started = time.monotonic()
+        index = membership.members.index(membership.rank)
+        for origin, holder in from_copies.items():
+            if holder == index:
+                self.checkpoints.peer.send_copy(step, origin)
+        if index in from_copies:
+            self._receive_copy(plan, step, membership.members[from_copies[index]])
+            return
         if state.holds_state and state.committed_step == step:
             restore_rng(state.roll_back_step_in_flight())
         else:
@@ -230,6 +248,29 @@ class RecoveryClient:
             self.reporter.emit(ev.SHARD_RECEIVED, step=step, source=SOURCE_T1,
                                shard=membership.rank % membership.mesh.shard,
                                seconds=round(time.monotonic() - started, 4))
+        self._committed(step)
+
+    def _receive_copy(self, plan: Plan, step: int, holder: int) -> None:
+        """Load this rank's state of ``step`` (models, optimizers, shards, RNG, loaders) from the peer copy
+        that rank ``holder`` sends: this rank's own node, and its T1 with it, was lost."""
+        membership, state = self.membership, self.state
+        started = time.monotonic()
+        if state.holds_state:
+            state.roll_back_step_in_flight()
+        live = {"replica": state.replica_state(), "rank": state.rank_state()}
+        received = recv_state(membership.current_group(), membership.members.index(holder), membership.device,
+                              live=live)
+        state.load_replica_state(received["replica"])
+        state.load_rank_state(received["rank"])
+        self.checkpoints.snapshots.invalidate()
+        state.holds_state = True
+        seconds = round(time.monotonic() - started, 4)
+        self.reporter.emit(ev.T1_ROLLBACK, step=step, target=plan.target_step, source=SOURCE_PEER_COPY,
+                           seconds=seconds)
+        self.reporter.emit(ev.STATE_RECEIVED, step=step, source=SOURCE_PEER_COPY, donor=holder, seconds=seconds)
+        if membership.mesh is not None:
+            self.reporter.emit(ev.SHARD_RECEIVED, step=step, source=SOURCE_PEER_COPY, donor=holder,
+                               shard=membership.rank % membership.mesh.shard, seconds=seconds)
         self._committed(step)
 
     def _repair_shards(self, plan: Plan, receivers: list[int]) -> None:

@@ -28,9 +28,11 @@ REPLICA_STRATEGIES = (StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER, Strat
 
 
 def make_mesh(rank: int, world_size: int, replicate: int, shard: int | None, strategies: list[str],
-              backend: str, device: torch.device, t1_snapshots: bool = False) -> SwappableMesh:
+              backend: str, device: torch.device, t1_snapshots: bool = False,
+              peer_copies: bool = False) -> SwappableMesh:
     """The job's (replicate, shard) mesh after checking that it fits the job; one-line errors.
-    ``t1_snapshots``: the job keeps T1 snapshots between checkpoints (``snapshot_interval`` not 0)."""
+    ``t1_snapshots``: the job keeps T1 snapshots between checkpoints (``snapshot_interval`` not 0);
+    ``peer_copies``: ... and copies of them on the next node (runtime/peer_copy.py)."""
     if not isinstance(replicate, int) or replicate < 1:
         raise ValueError(f"ft.device_mesh: replicate must be an integer >= 1 (got {replicate!r})")
     shard = world_size // replicate if shard is None else shard
@@ -38,16 +40,22 @@ def make_mesh(rank: int, world_size: int, replicate: int, shard: int | None, str
         raise ValueError(f"ft.device_mesh: replicate x shard must equal the job's world size {world_size} "
                          f"(got {replicate} x {shard})")
     refused = [str(name) for name in strategies if name in REFUSED_STRATEGIES]
-    t1_in_place = (StrategyName.RECOVER_IN_PLACE,) if t1_snapshots else ()
+    t1_in_place: tuple[StrategyName, ...] = (StrategyName.RECOVER_IN_PLACE,) if t1_snapshots else ()
+    if t1_snapshots and peer_copies:
+        t1_in_place += (StrategyName.RECOVER,)
     if replicate == 1:
         # Pure FSDP: no other replica holds a lost rank's shard. Its node's T1 snapshot does: a
-        # replacement on the same node restores it from there (runtime/t1_repair.py), if T1 is on.
+        # replacement on the same node restores it from there (runtime/t1_repair.py), if T1 is on;
+        # with peer copies, the next node's copy does when the node is lost (runtime/peer_copy.py).
         refused += [str(name) for name in strategies if name in REPLICA_STRATEGIES and name not in t1_in_place]
     if refused:
         usable = SHARDED_STRATEGIES if replicate > 1 else (StrategyName.RETRY, *t1_in_place)
         allowed = ", ".join(str(name) for name in (*usable, StrategyName.JOB_RESTART, StrategyName.EXIT))
         needs_t1 = replicate == 1 and not t1_snapshots and StrategyName.RECOVER_IN_PLACE in refused
         why = " (recover-in-place needs T1 snapshots: checkpoint.snapshot_interval >= 1 or auto)" if needs_t1 else ""
+        if replicate == 1 and t1_snapshots and not peer_copies and StrategyName.RECOVER in refused:
+            why = (" (recover needs peer copies of T1: checkpoint.peer_copy auto, a job under agents on "
+                   "two or more nodes)")
         raise ValueError(f"ft.device_mesh: recover_strategy {', '.join(refused)} is not supported for a sharded "
                          f"model with replicate={replicate}{why}; allowed with this mesh: {allowed}")
     return SwappableMesh(rank, replicate, shard, backend, device)

@@ -30,6 +30,7 @@ from undying.runtime.bounded_store import BoundedStore, connect_bounded
 from undying.runtime.devices import numerics_differences, numerics_record
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
+from undying.runtime.peer_copies import PeerCopies
 from undying.runtime.reporter import Reporter
 from undying.runtime.restore_plan import SOURCE_MEMORY, SOURCE_STORAGE, choose_restore
 from undying.runtime.sharded_checkpoint import DcpLayout
@@ -86,7 +87,7 @@ class CheckpointEngine:
     """
 
     def __init__(self, spec: JobSpec, state: TrainingState, membership: Membership, reporter: Reporter,
-                 injections: InjectionPoints, root: Location, job_id: str | None) -> None:
+                 injections: InjectionPoints, root: Location, job_id: str | None, token: str = "") -> None:
         self.spec = spec.checkpoint
         self._deterministic = spec.deterministic
         self._numerics: dict[str, Any] | None = None
@@ -117,13 +118,16 @@ class CheckpointEngine:
         self._fixed_interval = 0 if auto else int(self.spec.snapshot_interval)
         self._cadence = SnapshotCadence.for_job(self.spec, membership) if auto else None
         self._timed_snapshot: tuple[int, float, float] | None = None  # step, call's seconds, the copy's part
+        # checkpoint.peer_copy: each snapshot also kept in another node's memory (runtime/peer_copy.py).
+        self.peer = PeerCopies(spec, membership, reporter, job_id, token, lambda: self.snapshots)
 
     @property
     def snapshots(self) -> RankSnapshots:
         """This rank's T1 slots, opened on first use (a process that never trains opens none)."""
         if self._snapshots is None:
             try:
-                self._snapshots = RankSnapshots(self.directory, self.membership.rank, self.spec.snapshot_slots)
+                self._snapshots = RankSnapshots(self.directory, self.membership.rank,
+                                                self.peer.slots(self.spec.snapshot_slots))
             except (OSError, SnapshotUnavailable) as error:
                 self._fall_back_to_private_memory(error)
         assert self._snapshots is not None
@@ -153,6 +157,7 @@ class CheckpointEngine:
                 self._timed_snapshot = (step, time.perf_counter() - started, self._stall)
         elif self._fixed_interval and step % self._fixed_interval == 0:
             self.snapshot(step)
+        self.peer.report(step)
         self._report_results()
 
     def snapshot(self, step: int) -> bool:
@@ -172,6 +177,7 @@ class CheckpointEngine:
         if info is not None:
             self._copying = step
             self._stall = self.snapshots.last_copy_seconds
+            self.peer.after_snapshot(step)
         if self.snapshots.page_lock_error is not None and not self._reported_pageable:
             self._reported_pageable = True
             self.reporter.emit(ev.SNAPSHOT_PAGEABLE, step=step, reason=self.snapshots.page_lock_error)
@@ -230,6 +236,7 @@ class CheckpointEngine:
         """The job's store moved (controller failover): the persister exchanges records in the new one."""
         if self._persister is not None and self.membership.store_address is not None:
             self._persister.store = self._persister_store()
+        self.peer.store_moved()
 
     def _ensure_persister(self) -> Persister:
         if self._persister is None:
@@ -279,11 +286,12 @@ class CheckpointEngine:
             self._persister.close()
             self._persister = None
         self.directory = None
-        self._snapshots = RankSnapshots(None, self.membership.rank, self.spec.snapshot_slots)
+        self._snapshots = RankSnapshots(None, self.membership.rank, self.peer.slots(self.spec.snapshot_slots))
 
     def close(self) -> None:
         """End of training: wait for the last checkpoint to be committed, report it, release memory."""
         self.settle()
+        self.peer.close()
         if self._persister is not None:
             self._persister.close()
             self._report_results()
@@ -337,7 +345,9 @@ class CheckpointEngine:
             details = {"path": str(checkpoint.path), "dump": bool(checkpoint.manifest.meta.get("dump"))}
         else:
             self.snapshots.invalidate()
+            self.peer.continued(training.committed_step)
             return False
+        self.peer.continued(training.committed_step)
         self.reporter.update(step=training.committed_step)
         self.reporter.emit(ev.CHECKPOINT_LOAD, step=training.committed_step, source=source,
                            seconds=round(time.time() - started, 4), **details)

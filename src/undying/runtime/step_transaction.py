@@ -15,9 +15,10 @@ import torch
 
 from undying.config import JobSpec
 from undying.protocol import Phase
-from undying.runtime.ddp import commit_vote
+from undying.runtime.ddp import commit_vote, commit_vote_with_sums
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
+from undying.runtime.peer_copies import PeerCopies
 from undying.runtime.pg import CollectiveError
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng_mirror import RngMirror
@@ -36,7 +37,8 @@ class StepTransaction:
     rank has voted and whether it applied the update."""
 
     def __init__(self, spec: JobSpec, state: TrainingState, membership: Membership, reporter: Reporter,
-                 rng_mirror: RngMirror, injections: InjectionPoints, device: torch.device) -> None:
+                 rng_mirror: RngMirror, injections: InjectionPoints, device: torch.device,
+                 peer_copies: PeerCopies | None = None) -> None:
         self.spec = spec
         self.state = state
         self.membership = membership
@@ -44,6 +46,7 @@ class StepTransaction:
         self.rng_mirror = rng_mirror
         self.injections = injections
         self.device = device
+        self.peer_copies = peer_copies  # their confirmations travel in the commit vote
         self.failure: str | None = None
         self.voted = False
         self.updated = False
@@ -99,13 +102,20 @@ class StepTransaction:
             for model in self.state.models:
                 model.sync_gradients()
             self.set_phase(Phase.SYNCING)
-            all_ok = commit_vote(self.membership.current_group(), vote_ok, self.device)
+            group = self.membership.current_group()
+            sums: list[float] | None = None
+            if self.peer_copies is not None and self.peer_copies.enabled:
+                all_ok, sums = commit_vote_with_sums(group, vote_ok, self.peer_copies.vote_report(), self.device)
+            else:
+                all_ok = commit_vote(group, vote_ok, self.device)
         except CollectiveError as error:
             self.fail(f"gradient all-reduce failed: {error}")
             return False
         if not all_ok:
             self.fail("a rank voted against this step")
             return False
+        if sums is not None and self.peer_copies is not None:
+            self.peer_copies.vote_result(sums, group.world_size)
         # The fence: a rank silent for long enough to have been given up (a frozen host, woken) asks
         # the controller first, and applies nothing if its generation was aborted meanwhile: its
         # all-reduce may have completed from bytes its peers sent before they gave the step up. A
