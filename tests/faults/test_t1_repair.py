@@ -148,3 +148,20 @@ def test_pure_fsdp_recovers_a_lost_node_from_the_peer_copies_on_the_other_node(f
     [step] = {e.step for e in rollbacks}
     assert anchor <= step <= run.kinds(ev.RECOVERY_PLAN)[-1].step, (anchor, step)
     assert not run.kinds(ev.CHECKPOINT_LOAD), "nothing is loaded from T2 (or T1 at a restart)"
+
+
+def test_a_job_restart_after_a_lost_node_restores_its_ranks_from_the_peer_copies(fsdp_reference: JobRun,
+                                                                                 tmp_path) -> None:
+    """1 x 4 on 2 nodes, no process-level strategy: node 1 is lost at step 15 and the job restarts. Its
+    ranks' T1 died with it, but node 0 keeps copies of their snapshots: the restart restores from
+    memory (ranks 0 and 1 from their T1, ranks 2 and 3 from the copies their holders send), not from
+    the step-10 checkpoint in storage, and ends bitwise equal to the fault-free run."""
+    run = run_job(tmp_path, ["--inject", "node:node=1:step=15"], script_args=PURE_FSDP)
+    assert run.returncode == 0, run.output + run.logs()
+    assert run.result["param_sha256"] == fsdp_reference.result["param_sha256"], run.output + run.logs()
+    assert run.kinds(ev.RESTART_BEGIN)
+    loads = [e for e in run.kinds(ev.CHECKPOINT_LOAD) if e.generation > 1]
+    assert {e.details["source"] for e in loads} == {"memory"}, [e.details for e in loads]
+    [step] = {e.step for e in loads}
+    assert step <= 15
+    assert {e.rank: e.details.get("peer_copy") for e in loads} == {0: None, 1: None, 2: 0, 3: 1}

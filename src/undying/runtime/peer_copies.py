@@ -18,7 +18,8 @@ from undying.config import JobSpec
 from undying.runtime.membership import Membership
 from undying.runtime.peer_copy import PeerCopy, origin_of
 from undying.runtime.reporter import Reporter
-from undying.runtime.state_transfer import send_state
+from undying.runtime.state_transfer import recv_state, send_state
+from undying.runtime.training_state import TrainingState
 from undying.shm import node_dir
 
 STORE_TIMEOUT_S = 10.0  # the sender's store calls (the holder's address)
@@ -110,9 +111,22 @@ class PeerCopies:
         """The steps of this node's copies of this rank's origin (an offer of a repair)."""
         return self.copy.copy_steps(replicas) if self.copy is not None else []
 
-    def origin_of(self, rank: int) -> int:
-        """The rank whose copy ``rank`` holds."""
-        return origin_of(rank, self._membership.world_size, self._ranks_per_node)
+    def holders(self) -> dict[int, int] | None:
+        """Group index of each member -> its holder's group index (None when the job does not copy)."""
+        if not self.enabled:
+            return None
+        members, size, per_node = self._membership.members, self._membership.world_size, self._ranks_per_node
+        return {members.index(origin_of(rank, size, per_node)): members.index(rank)
+                for rank in members if origin_of(rank, size, per_node) in members}
+
+    def receive_copy(self, holder: int, state: TrainingState) -> None:
+        """Load ``state`` (models, optimizers, shards, RNG, loaders, user state) from the copy of this rank's
+        snapshot that group rank ``holder`` sends (``send_copy``), into the live tensors where they fit."""
+        membership = self._membership
+        live = {"replica": state.replica_state(), "rank": state.rank_state()}
+        received = recv_state(membership.current_group(), holder, membership.device, live=live)
+        state.load_replica_state(received["replica"])
+        state.load_rank_state(received["rank"])
 
     def send_copy(self, step: int, destination: int) -> None:
         """Send this node's copy of the origin's snapshot of ``step`` to group rank ``destination``."""

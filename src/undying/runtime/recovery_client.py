@@ -204,12 +204,9 @@ class RecoveryClient:
         offer = T1Offer(loaded, state.committed_step if state.holds_state else None, tuple(held), copies)
         offers = exchange_offers(group, offer, peer.slots(self.spec.checkpoint.snapshot_slots), membership.device)
         mesh = membership.mesh
-        # Peer copies: each rank's holder (a pure-FSDP job keeps every rank, so group index is rank).
-        holders = {membership.members.index(peer.origin_of(rank)): membership.members.index(rank)
-                   for rank in membership.members if peer.origin_of(rank) in membership.members} \
-            if peer.enabled else None
         decision = decide(offers, [membership.members.index(receiver) for receiver in plan.receivers],
-                          plan.target_step, replicas_hold_state=mesh is None or mesh.replicate > 1, holders=holders)
+                          plan.target_step, replicas_hold_state=mesh is None or mesh.replicate > 1,
+                          holders=peer.holders())
         if loaded and decision.rollback_step is None:
             self.reporter.emit(ev.STATE_RECEIVED, step=plan.target_step, source=SOURCE_T1,
                                path=str(snapshots.directory), seconds=seconds)
@@ -257,11 +254,7 @@ class RecoveryClient:
         started = time.monotonic()
         if state.holds_state:
             state.roll_back_step_in_flight()
-        live = {"replica": state.replica_state(), "rank": state.rank_state()}
-        received = recv_state(membership.current_group(), membership.members.index(holder), membership.device,
-                              live=live)
-        state.load_replica_state(received["replica"])
-        state.load_rank_state(received["rank"])
+        self.checkpoints.peer.receive_copy(membership.members.index(holder), state)
         self.checkpoints.snapshots.invalidate()
         state.holds_state = True
         seconds = round(time.monotonic() - started, 4)

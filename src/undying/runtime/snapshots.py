@@ -309,26 +309,43 @@ class CheckpointEngine:
         # A snapshot records the replicas it was taken with: after a restart at a shrunk size only
         # those taken at that size count (the full-size ones predate the shrink).
         held = [info.step for info in self.snapshots.committed() if info.world_size == membership.replicas]
-        report = {"held": held, "numerics": self.numerics}
+        holders = self.peer.holders()  # peer copies: a rank whose node was lost restores from its holder's
+        copies = self.peer.steps_held(membership.replicas) if holders is not None else []
+        report = {"held": held, "copies": copies, "numerics": self.numerics}
         gathered = group.gather_objects("restore/t1", json.dumps(report).encode(), self._restore_timeout)
         loaded: dict[str, Any] | None = None
         reports: list[dict[str, Any]] = []  # rank 0: every rank's, in group order
         if gathered is not None:
             reports = [json.loads(blob) for blob in gathered]
-            plan, loaded = choose_restore(self.root, membership.generation, [set(each["held"]) for each in reports],
-                                          training.sharded, self._report_corrupt)
+            own = [set(each["held"]) for each in reports]
+            reach = [steps | set(reports[holders[index]]["copies"]) if holders and index in holders else steps
+                     for index, steps in enumerate(own)]
+            plan, loaded = choose_restore(self.root, membership.generation, reach, training.sharded,
+                                          self._report_corrupt)
+            if plan["source"] == SOURCE_MEMORY and holders:
+                plan["from_copies"] = {index: holders[index] for index, steps in enumerate(own)
+                                       if plan["step"] not in steps}
             group.publish("restore_plan", json.dumps(plan).encode())
         plan = json.loads(group.read("restore_plan", self._restore_timeout))
         source, step = plan["source"], plan["step"]
         if source == SOURCE_MEMORY:
-            # Into the live tensors where they exist (the model's parameters; optimizer state once it
-            # has stepped): a restore allocates only what the process does not hold yet.
-            state = self.snapshots.read(step, live={"replica": training.replica_state()})
-            training.load_replica_state(state["replica"])
-            training.load_rank_state(state["rank"])
-            self.snapshots.invalidate(keep_step=step)
+            from_copies = {int(index): holder for index, holder in plan.get("from_copies", {}).items()}
             details: dict[str, Any] = {"path": None if self.directory is None else str(self.directory),
                                        "dump": False}
+            index = membership.members.index(membership.rank)
+            for origin, holder in from_copies.items():
+                if holder == index:
+                    self.peer.send_copy(step, origin)
+            if index in from_copies:  # this rank's node was lost: its holder's copy
+                self.peer.receive_copy(from_copies[index], training)
+                details["peer_copy"] = membership.members[from_copies[index]]
+            else:
+                # Into the live tensors where they exist (the model's parameters; optimizer state once
+                # it has stepped): a restore allocates only what the process does not hold yet.
+                state = self.snapshots.read(step, live={"replica": training.replica_state()})
+                training.load_replica_state(state["replica"])
+                training.load_rank_state(state["rank"])
+            self.snapshots.invalidate(keep_step=step)
         elif source == SOURCE_STORAGE:
             training.load_replica_state(broadcast_state(group, loaded, 0, membership.device,
                                                         live=training.replica_state()))
