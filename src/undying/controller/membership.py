@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from undying.mesh_rows import incomplete_rows
 from undying.protocol import Order, Phase, WorkerState, WorkerStatus
 
 
@@ -88,12 +89,7 @@ class Membership:
         """The replicas of a sharded job of which ``members`` hold some ranks but not all (none for a
         data-parallel job): a shard's rank has no stand-in within its replica, so a generation of a
         sharded job is made of whole replicas."""
-        shard = self.mesh_shard
-        if not shard:
-            return []
-        present = set(members)
-        rows = sorted({rank // shard for rank in present})
-        return [row for row in rows if not all(row * shard + column in present for column in range(shard))]
+        return incomplete_rows(members, self.mesh_shard) if self.mesh_shard else []
 
     def ranks_of(self, node: int) -> list[int]:
         return list(range(node * self.nproc_per_node, (node + 1) * self.nproc_per_node))

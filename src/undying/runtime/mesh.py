@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch.distributed.distributed_c10d import GroupName
 
+from undying.mesh_rows import incomplete_rows, rows_of
 from undying.runtime.pg import CollectiveError, GenerationGroup
 
 DIM_NAMES = ("replicate", "shard")
@@ -248,8 +249,7 @@ class SwappableMesh:
 def surviving_replicas(members: list[int], replicate: int, shard: int) -> list[int]:
     """The replicas (mesh rows) ``members`` consists of, in order; raises unless every one of them is
     whole (all ``shard`` columns present): a shard's rank has no stand-in within its replica."""
-    rows = sorted({rank // shard for rank in members})
-    broken = [row for row in rows if any(row * shard + column not in members for column in range(shard))]
+    rows, broken = rows_of(members, shard), incomplete_rows(members, shard)
     if broken or not rows or rows[-1] >= replicate:
         raise ValueError(f"mesh: the generation's ranks {sorted(members)} are not whole replicas of the "
                          f"{replicate} x {shard} mesh (incomplete replica(s) {broken or rows})")
