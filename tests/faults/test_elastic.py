@@ -74,6 +74,22 @@ def steps_a_survivor_took_from_a_peer(run: JobRun) -> dict[int, set[int]]:
     return took
 
 
+def assert_samples_kept(samples: dict[int, list[dict]], expected: dict[int, list[dict]],
+                        took: dict[int, set[int]], steps: int, loss_rtol: float) -> None:
+    """Every step used the fault-free run's samples, none twice, at a global loss within ``loss_rtol``;
+    a step in ``took`` (steps_a_survivor_took_from_a_peer) lacks the records of those ranks: its
+    samples are a subset of the fault-free run's."""
+    for step in range(steps):
+        indices = step_samples(samples[step])
+        assert len(indices) == len(set(indices)), f"step {step} used a sample twice"
+        if step in took:
+            assert not took[step] & {record["rank"] for record in samples[step]}, f"step {step}"
+            assert set(indices) < set(step_samples(expected[step])), f"step {step} used other samples"
+            continue
+        assert indices == step_samples(expected[step]), f"step {step} used other samples"
+        assert global_loss(samples[step]) == pytest.approx(global_loss(expected[step]), rel=loss_rtol), step
+
+
 def assert_same_samples_and_close(run: JobRun, reference: JobRun, steps: int, rerun: bool = False) -> None:
     assert run.returncode == 0, run.output + run.logs()
     assert run.result["final_step"] == steps

@@ -14,9 +14,8 @@ import torch
 from tests.conftest import FINAL_STATE, JobRun, run_job
 from tests.faults.test_elastic import (
     ELASTIC,
-    global_loss,
+    assert_samples_kept,
     last_run_of_each_step,
-    step_samples,
     steps_a_survivor_took_from_a_peer,
 )
 from undying import events as ev
@@ -35,22 +34,6 @@ STEPS, STEP_SLEEP = 60, "0.5"
 # scale is checked in tests/unit/test_sharded_elastic_gradients.py.
 LOSS_RTOL = 5e-3
 PARAM_ATOL = 1e-2
-
-
-def assert_samples_kept(samples: dict[int, list[dict]], expected: dict[int, list[dict]],
-                        took: dict[int, set[int]]) -> None:
-    """Every step used the fault-free run's samples, none twice, at a loss within the tolerance. A
-    rank killed with its node between a step every rank committed and its record of that step
-    leaves that one record missing (tests/faults/test_elastic.py): that step's records are a subset."""
-    for step in range(STEPS):
-        indices = step_samples(samples[step])
-        assert len(indices) == len(set(indices)), f"step {step} used a sample twice"
-        if step in took:
-            assert not took[step] & {record["rank"] for record in samples[step]}, f"step {step}"
-            assert set(indices) < set(step_samples(expected[step])), f"step {step} used other samples"
-            continue
-        assert indices == step_samples(expected[step]), f"step {step} used other samples"
-        assert global_loss(samples[step]) == pytest.approx(global_loss(expected[step]), rel=LOSS_RTOL), step
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +60,7 @@ def test_a_lost_replica_is_dropped_and_grown_back(hsdp_reference: JobRun, tmp_pa
     assert shrink.step < grow.step < STEPS
     samples, expected = run.samples(), hsdp_reference.samples()
     assert sorted(samples) == list(range(STEPS)) == sorted(expected)
-    assert_samples_kept(samples, expected, steps_a_survivor_took_from_a_peer(run))
+    assert_samples_kept(samples, expected, steps_a_survivor_took_from_a_peer(run), STEPS, LOSS_RTOL)
     # Shrunk: replica 0's two ranks, each two of the step's four slots; grown back: four ranks of one.
     shrunk = samples[grow.step - 1]
     assert {(r["rank"], r["replicas"], r["loaders"][0]["slots"]) for r in shrunk} == {(0, 2, 2), (1, 2, 2)}
@@ -111,7 +94,7 @@ def test_a_job_restart_after_a_shrink_restarts_the_replica_left(hsdp_reference: 
     assert {(e.rank, e.step, e.details["source"]) for e in loads} == {(0, 12, "memory"), (1, 12, "memory")}
     samples, expected = last_run_of_each_step(run.samples()), hsdp_reference.samples()
     assert sorted(samples) == list(range(STEPS))
-    assert_samples_kept(samples, expected, steps_a_survivor_took_from_a_peer(run))
+    assert_samples_kept(samples, expected, steps_a_survivor_took_from_a_peer(run), STEPS, LOSS_RTOL)
     final = torch.load(run.run_dir / FINAL_STATE)
     fault_free = torch.load(hsdp_reference.run_dir / FINAL_STATE)
     worst = max((final[name] - fault_free[name]).abs().max().item() for name in fault_free)

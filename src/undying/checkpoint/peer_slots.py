@@ -20,11 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from undying.checkpoint.snapshot_slot import HEADER_BYTES, STATE_EMPTY, STATE_WRITING, Slot, SnapshotInfo
+from undying.checkpoint.snapshot_slot import STATE_EMPTY, Slot, SnapshotInfo
 from undying.checkpoint.state_tree import unflatten_state
 
 SLOTS_PER_ORIGIN = 2
-META_SLACK = 1 << 20  # as for a rank's own slots: the meta block may grow without a remap
 
 
 class PeerSlots:
@@ -67,12 +66,7 @@ class PeerSlots:
             self._busy.add((origin, slot.index))
             slot.info = None
         try:
-            if slot.size:
-                slot.set_state(STATE_WRITING)
-            needed = HEADER_BYTES + data_bytes + len(meta)
-            if needed > slot.size:
-                slot.reserve(needed + max(META_SLACK, len(meta)))
-                slot.set_state(STATE_WRITING)
+            slot.begin_write(data_bytes, len(meta))
             with slot.data_region(data_bytes) as region:
                 checked = fill(region)
             if not checked:

@@ -20,7 +20,6 @@ import torch
 
 from undying.checkpoint.copy import BackgroundCopy, copy_now
 from undying.checkpoint.snapshot_slot import (
-    HEADER_BYTES,
     STATE_EMPTY,
     STATE_WRITING,
     Slot,
@@ -40,7 +39,6 @@ __all__ = [
     "unflatten_state",
 ]
 
-META_SLACK = 1 << 20  # room for the meta block to grow (loader positions, user state) without a remap
 
 
 class RankSnapshots:
@@ -114,12 +112,7 @@ class RankSnapshots:
         deferred = False
         try:
             slot.info = None
-            if slot.size:
-                slot.set_state(STATE_WRITING)
-            needed = HEADER_BYTES + data_bytes + len(meta)
-            if needed > slot.size:
-                slot.reserve(needed + max(META_SLACK, len(meta)))
-                slot.set_state(STATE_WRITING)
+            slot.begin_write(data_bytes, len(meta))
             if self.page_lock_error is None and any(tensor.device.type == "cuda" for tensor in tensors):
                 try:
                     slot.lock_pages()

@@ -32,6 +32,7 @@ MAGIC = b"UNDYSNAP"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
 ALIGN = 64
+META_SLACK = 1 << 20  # room for the meta block to grow (loader positions, user state) without a remap
 
 STATE_EMPTY = 0
 STATE_WRITING = 1
@@ -165,6 +166,16 @@ class Slot:
                 pass  # a caller still holds a view: the mapping goes when that view does
 
     # -- header
+
+    def begin_write(self, data_bytes: int, meta_bytes: int) -> None:
+        """Mark the slot WRITING (its snapshot, if any, is gone from now on) and make it hold ``data_bytes``
+        of data and a meta block of ``meta_bytes``, with META_SLACK to spare for the meta block to grow."""
+        if self.size:
+            self.set_state(STATE_WRITING)
+        needed = HEADER_BYTES + data_bytes + meta_bytes
+        if needed > self.size:
+            self.reserve(needed + max(META_SLACK, meta_bytes))
+            self.set_state(STATE_WRITING)
 
     def set_state(self, state: int) -> None:
         assert self._mm is not None
