@@ -16,8 +16,9 @@ Guarantees:
   step only at a commit vote in which every rank reports its copy of that step confirmed (the
   vote's sums of the step and its square say all reported the same step). A recovery therefore
   always finds one step that every rank either holds itself or has a copy of on another node.
-- A copy travels with the CRC-32 of its data and an HMAC of its header, meta block and CRC under
-  the job's secret; the holder commits it only if both check (a torn or foreign transfer is never
+- A copy travels with an HMAC of its header, then the CRC-32 of its data and an HMAC of header,
+  meta block and CRC, under the job's secret; the holder takes node memory for it only once the
+  header's HMAC checks, commits it only if the rest checks (a torn or foreign transfer is never
   visible), and answers the sender only then.
 
 Not guaranteed: that the anchor is recent (the copies run behind training: the job goes back to
@@ -47,6 +48,7 @@ from undying.runtime.gloo_interface import local_address_towards
 
 STORE_KEY = "peer_copy/{rank}"  # under the job's store prefix: "host:port" of the rank's server
 CONNECT_TIMEOUT_S = 5.0
+CLOSE_WAIT_S = 1.0
 ACCEPT_POLL_S = 0.5
 CHUNK_BYTES = 4 << 20
 MAX_HEADER_BYTES = 1 << 16
@@ -188,7 +190,7 @@ class PeerCopy:
         self._closing.set()
         self._jobs.put(None)
         for thread in self._threads:
-            thread.join(timeout=self._timeout)
+            thread.join(timeout=CLOSE_WAIT_S)  # daemons: one stuck on a dead peer does not hold up the exit
         self._server.close()
         self.copies.close()
 
@@ -233,7 +235,9 @@ class PeerCopy:
             header = json.dumps({"origin": self.rank, "seq": info.seq, "step": info.step,
                                  "generation": info.generation, "world_size": info.world_size,
                                  "data_bytes": len(data), "meta_bytes": len(meta)}).encode()
-            connection.sendall(_LENGTH.pack(len(header)) + header)
+            # The header's own MAC first: the holder allocates node memory for a copy only once it knows
+            # the copy comes from this job.
+            connection.sendall(_LENGTH.pack(len(header)) + header + self._mac(header, b"", b""))
             connection.sendall(meta)
             crc = 0
             for offset in range(0, len(data), CHUNK_BYTES):
@@ -273,6 +277,10 @@ class PeerCopy:
         if length > MAX_HEADER_BYTES:
             raise ValueError(f"a header of {length} bytes")
         header_bytes = _receive_exactly(connection, length)
+        header_mac = _receive_exactly(connection, _MAC_BYTES)
+        if not hmac.compare_digest(header_mac, self._mac(header_bytes, b"", b"")):
+            connection.sendall(REFUSED)  # not this job's (another secret), or a damaged header
+            return
         header: dict[str, Any] = json.loads(header_bytes)
         if header["origin"] != self.origin or not 0 <= header["meta_bytes"] <= MAX_META_BYTES:
             connection.sendall(REFUSED)
