@@ -87,7 +87,9 @@ def test_a_copy_under_another_secret_is_refused_and_never_visible(tmp_path: Path
         copies[0].after_snapshot(3)
         wait_until(lambda: bool(copies[1]._failures) or bool(copies[0]._failures))
         wait_until(lambda: bool(copies[0]._failures))
-        assert "refused" in copies[0].failures()[0]
+        # Refused after the header: the answer, or the reset of a connection whose rest was never read.
+        failure = copies[0].failures()[0]
+        assert any(sign in failure for sign in ("refused", "Broken pipe", "reset")), failure
         assert copies[1].copy_steps(1) == [] and copies[0].vote_report() == (0.0, 0.0)
         # The failed copy is released: the next snapshot is the next candidate.
         snapshots[0].write(state(2.0), step=4, generation=1, world_size=1)
