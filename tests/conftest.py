@@ -133,8 +133,37 @@ def run_job(run_dir: Path, extra: list[str] | None = None, steps: int = STEPS, t
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     """The fault-free run every recovered run must match bit for bit."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    run = run_job(run_dir, script_args=["--final-state", str(run_dir / FINAL_STATE)])
+    return fault_free_run(tmp_path_factory, "reference", [])
+
+
+def fault_free_run(tmp_path_factory: pytest.TempPathFactory, name: str, script_args: list[str]) -> JobRun:
+    run_dir = tmp_path_factory.mktemp(name)
+    run = run_job(run_dir, script_args=[*script_args, "--final-state", str(run_dir / FINAL_STATE)])
+    assert run.returncode == 0, run.output + run.logs()
+    return run
+
+
+# The fault-free runs of the sharded example (once per session, shared by the modules that compare
+# with them): HSDP on a 2 x 2 mesh (rows are replicas: node 0 holds replica 0, ranks 0 and 1; node 1
+# replica 1) and pure FSDP on 1 x 4.
+@pytest.fixture(scope="session")
+def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
+    return fault_free_run(tmp_path_factory, "hsdp-reference", ["--mesh", "2x2"])
+
+
+@pytest.fixture(scope="session")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
+    return fault_free_run(tmp_path_factory, "fsdp-reference", ["--mesh", "1x4"])
+
+
+# Dropout draws random numbers every step: bitwise equality needs each replaced rank's exact RNG
+# state (tests/faults/test_controller_failover.py, test_network_failover.py).
+DROPOUT_ARGS = ["--dropout", "0.1"]
+
+
+@pytest.fixture(scope="session")
+def dropout_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
+    run = run_job(tmp_path_factory.mktemp("dropout-reference"), script_args=DROPOUT_ARGS)
     assert run.returncode == 0, run.output + run.logs()
     return run
 

@@ -17,13 +17,13 @@ import pytest
 
 from tests.conftest import (
     BASE_ARGS,
+    DROPOUT_ARGS,
     EXAMPLE,
     MARK_ENV,
     REPO,
     STEPS,
     EtcdServer,
     JobRun,
-    run_job,
     undying_command,
     wait_no_processes,
 )
@@ -40,14 +40,7 @@ TOKEN = "failover-test-token-0123456789"
 
 # Dropout draws random numbers every step: bitwise equality needs each replaced rank's exact RNG
 # state, which died with the controller's node and its store (the backup store keeps a copy).
-SCRIPT_ARGS = ["--dropout", "0.1"]
-
-
-@pytest.fixture(scope="module")
-def dropout_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
-    run = run_job(tmp_path_factory.mktemp("dropout-reference"), script_args=SCRIPT_ARGS)
-    assert run.returncode == 0, run.output + run.logs()
-    return run
+SCRIPT_ARGS = DROPOUT_ARGS
 
 
 def missed_rng_reads(events: list) -> list:

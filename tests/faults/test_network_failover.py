@@ -26,7 +26,6 @@ from tests.conftest import (
     STEPS,
     JobRun,
     etcd_binary,
-    run_job,
     undying_command,
     wait_no_processes,
 )
@@ -59,14 +58,6 @@ while True:
             sys.exit(1)
         time.sleep(0.2)
 """
-
-
-@pytest.fixture(scope="module")
-def dropout_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
-    """The fault-free run on loopback, with test_controller_failover's dropout (see SCRIPT_ARGS)."""
-    run = run_job(tmp_path_factory.mktemp("dropout-reference"), script_args=SCRIPT_ARGS)
-    assert run.returncode == 0, run.output + run.logs()
-    return run
 
 
 @pytest.fixture

@@ -23,14 +23,6 @@ PROCESS_LEVEL = ["--set", "process_recover=true", "--set", "pod_rescheduling=on"
 PEER_ONLY = ["--set", "checkpoint.snapshot_interval=0"]
 
 
-@pytest.fixture(scope="module")
-def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
-    run_dir = tmp_path_factory.mktemp("hsdp-reference")
-    run = run_job(run_dir, script_args=[*MESH, "--final-state", str(run_dir / FINAL_STATE)])
-    assert run.returncode == 0, run.output + run.logs()
-    return run
-
-
 def assert_bitwise(run: JobRun, reference: JobRun) -> None:
     assert run.returncode == 0, run.output + run.logs()
     assert run.result["final_step"] == STEPS

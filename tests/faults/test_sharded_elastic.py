@@ -37,14 +37,14 @@ PARAM_ATOL = 1e-2
 
 
 @pytest.fixture(scope="module")
-def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
+def long_hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
     run_dir = tmp_path_factory.mktemp("hsdp-reference")
     run = run_job(run_dir, steps=STEPS, script_args=[*MESH, "--final-state", str(run_dir / FINAL_STATE)])
     assert run.returncode == 0, run.output + run.logs()
     return run
 
 
-def test_a_lost_replica_is_dropped_and_grown_back(hsdp_reference: JobRun, tmp_path: Path) -> None:
+def test_a_lost_replica_is_dropped_and_grown_back(long_hsdp_reference: JobRun, tmp_path: Path) -> None:
     """elastic_batch grow (the default): a shrunk rank runs one batch of its two slots. The gradient's
     scale, which AdamW hides, in both modes: tests/unit/test_sharded_elastic_gradients.py."""
     run = run_job(tmp_path, [*ELASTIC, "--inject", "node:node=1:step=3:down=2"], STEPS,
@@ -58,7 +58,7 @@ def test_a_lost_replica_is_dropped_and_grown_back(hsdp_reference: JobRun, tmp_pa
     [grow] = run.kinds(ev.ELASTIC_GROW)
     assert (grow.details["old_world_size"], grow.details["new_world_size"]) == (2, 4)
     assert shrink.step < grow.step < STEPS
-    samples, expected = run.samples(), hsdp_reference.samples()
+    samples, expected = run.samples(), long_hsdp_reference.samples()
     assert sorted(samples) == list(range(STEPS)) == sorted(expected)
     assert_samples_kept(samples, expected, steps_a_survivor_took_from_a_peer(run), STEPS, LOSS_RTOL)
     # Shrunk: replica 0's two ranks, each two of the step's four slots; grown back: four ranks of one.
@@ -74,12 +74,12 @@ def test_a_lost_replica_is_dropped_and_grown_back(hsdp_reference: JobRun, tmp_pa
     assert not run.kinds(ev.RESTART_BEGIN)
 
     final = torch.load(run.run_dir / FINAL_STATE)
-    fault_free = torch.load(hsdp_reference.run_dir / FINAL_STATE)
+    fault_free = torch.load(long_hsdp_reference.run_dir / FINAL_STATE)
     worst = max((final[name] - fault_free[name]).abs().max().item() for name in fault_free)
     assert worst <= PARAM_ATOL, f"parameters differ by up to {worst}"
 
 
-def test_a_job_restart_after_a_shrink_restarts_the_replica_left(hsdp_reference: JobRun, tmp_path: Path) -> None:
+def test_a_job_restart_after_a_shrink_restarts_the_replica_left(long_hsdp_reference: JobRun, tmp_path: Path) -> None:
     """Shrunk to replica 0 (node 1 kept away), then rank 1 is killed: with elastic training alone in
     the chain the fallback is a job restart, which starts ranks 0 and 1 again as a 1 x 2 mesh at
     once, each restoring its own shard from node memory, and trains on with the samples kept."""
@@ -92,10 +92,10 @@ def test_a_job_restart_after_a_shrink_restarts_the_replica_left(hsdp_reference: 
     assert (start.generation, start.details["members"]) == (end.generation, [0, 1])
     loads = [e for e in run.kinds(ev.CHECKPOINT_LOAD) if e.generation == end.generation]
     assert {(e.rank, e.step, e.details["source"]) for e in loads} == {(0, 12, "memory"), (1, 12, "memory")}
-    samples, expected = last_run_of_each_step(run.samples()), hsdp_reference.samples()
+    samples, expected = last_run_of_each_step(run.samples()), long_hsdp_reference.samples()
     assert sorted(samples) == list(range(STEPS))
     assert_samples_kept(samples, expected, steps_a_survivor_took_from_a_peer(run), STEPS, LOSS_RTOL)
     final = torch.load(run.run_dir / FINAL_STATE)
-    fault_free = torch.load(hsdp_reference.run_dir / FINAL_STATE)
+    fault_free = torch.load(long_hsdp_reference.run_dir / FINAL_STATE)
     worst = max((final[name] - fault_free[name]).abs().max().item() for name in fault_free)
     assert worst <= PARAM_ATOL, f"parameters differ by up to {worst}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import FINAL_STATE, STEPS, JobRun, run_job
+from tests.conftest import STEPS, JobRun, run_job
 from undying import events as ev
 
 pytestmark = pytest.mark.faults
@@ -16,23 +16,6 @@ pytestmark = pytest.mark.faults
 IN_PLACE = ["--set", "process_recover=true", "--recover-strategy", "retry,recover-in-place"]
 PURE_FSDP = ["--mesh", "1x4"]
 HSDP = ["--mesh", "2x2"]
-
-
-def reference(tmp_path_factory: pytest.TempPathFactory, mesh: list[str]) -> JobRun:
-    run_dir = tmp_path_factory.mktemp("reference-" + mesh[-1])
-    run = run_job(run_dir, script_args=[*mesh, "--final-state", str(run_dir / FINAL_STATE)])
-    assert run.returncode == 0, run.output + run.logs()
-    return run
-
-
-@pytest.fixture(scope="module")
-def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
-    return reference(tmp_path_factory, PURE_FSDP)
-
-
-@pytest.fixture(scope="module")
-def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
-    return reference(tmp_path_factory, HSDP)
 
 
 def assert_recovered_in_place(run: JobRun, reference: JobRun, replaced: int) -> None:
