@@ -172,3 +172,29 @@ def test_bytes_changed_on_the_way_are_refused(tmp_path: Path, corrupt: str) -> N
     finally:
         for copy in copies:
             copy.close()
+
+
+def test_a_recovery_keeps_an_anchor_it_continues_after_and_releases_the_copy_under_way(tmp_path: Path) -> None:
+    """The anchor (step 5) stays pinned through a recovery that continues from step 6; the candidate
+    (step 6) is released and its late confirmation ignored. A recovery back to step 4 releases the
+    anchor too: step 5 belongs to the history given up."""
+    copies, snapshots = make_pair(tmp_path)
+    try:
+        for rank in range(2):
+            snapshots[rank].write(state(float(rank)), step=5, generation=1, world_size=1)
+            copies[rank].after_snapshot(5)
+        wait_until(lambda: copies[0].vote_report() == (1.0, 5.0))
+        copies[0].on_vote(2.0, 10.0, 50.0, world_size=2)
+        snapshots[0].write(state(6.0), step=6, generation=1, world_size=1)
+        copies[0].after_snapshot(6)
+        copies[0].reset(6, generation=2)
+        assert copies[0].anchor_step() == 5 and copies[0].vote_report() == (0.0, 0.0)
+        # The copy of step 6 that was under way ends (its pin goes; the anchor's stays) and its answer
+        # is ignored.
+        wait_until(lambda: sum(snapshots[0]._pins) == 1)
+        assert copies[0].vote_report() == (0.0, 0.0)
+        copies[0].reset(4, generation=3)
+        assert copies[0].anchor_step() is None and snapshots[0]._pins == [0, 0, 0]
+    finally:
+        for copy in copies:
+            copy.close()
