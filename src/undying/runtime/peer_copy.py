@@ -188,10 +188,14 @@ class PeerCopy:
 
     def close(self) -> None:
         self._closing.set()
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes the server thread's accept at once (Linux)
+        except OSError:
+            pass
+        self._server.close()
         self._jobs.put(None)
         for thread in self._threads:
             thread.join(timeout=CLOSE_WAIT_S)  # daemons: one stuck on a dead peer does not hold up the exit
-        self._server.close()
         self.copies.close()
 
     # ------------------------------------------------------------- sender thread
