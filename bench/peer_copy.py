@@ -19,8 +19,9 @@ machine's load falls on all of them alike. Two parts:
    ``off``: ``recover`` is refused for pure FSDP, so ``retry,recover-in-place`` and a job restart
    from the newest T2 checkpoint (every ``CHECKPOINT_INTERVAL`` steps, so one exists before the
    fault). From the events: detection (injection -> fault_detected), MTTR (injection -> every
-   rank's first committed step after the recovery, ``first_step``), steps lost (the fault's step
-   minus the step resumed from), where the lost ranks' state came from (``shard_received`` /
+   rank's first committed step after the recovery, ``first_step``), steps lost (committed steps
+   computed again: the fault's step, the committed step when node 1 died, minus the step
+   resumed from), where the lost ranks' state came from (``shard_received`` /
    ``checkpoint_load``), and whether the final ``param_sha256`` (run_dir/result.json) equals the
    fault-free runs' of part 1 (same size, same steps: bitwise expected for both configurations).
 
@@ -49,16 +50,16 @@ GPT = REPO / "examples" / "gpt" / "train.py"
 WARMUP_STEPS = 10
 CHECKPOINT_INTERVAL = 20  # node-loss runs: T2 at 20, 40, 60: the restart without copies reads one
 NO_T2 = 100_000  # steady state: longer than any run here
-# n_layer, n_embd, n_head, steps, fault_step. Steps per run: about 15-20 s of steady state on 2 busy
-# cores (2x48: ~0.1-0.15 s a step, 4x256: ~0.4-0.5 s with 4 ranks); the fault 15 steps after a T2 step.
+# n_layer, n_embd, n_head, steps, fault_step. With 4 ranks on 2 cores a step takes 0.08-0.15 s (2x48)
+# and 0.3-0.5 s (4x256), quiet to busy: 8-20 s of steady state; the fault 15 steps after a T2 step.
 SIZES: dict[str, tuple[int, int, int, int, int]] = {
-    "2x48": (2, 48, 2, 120, 75),
-    "4x256": (4, 256, 4, 60, 35),
+    "2x48": (2, 48, 2, 100, 75),
+    "4x256": (4, 256, 4, 50, 35),
 }
 BASE = ["--nnodes", "2", "--nproc-per-node", "2", "--monitor-interval", "0.5",
         "--set", "heartbeat_interval=0.5", "--set", "heartbeat_timeout=3", "--quiet"]
 # The YAML of ``--set`` reads a bare off as False, which peer_copy does not accept: quoted.
-PEER_COPY = {"auto": ["--set", "checkpoint.peer_copy=auto"], "off": ["--set", 'checkpoint.peer_copy="off"']}
+PEER_COPY = {"auto": ["--set", "checkpoint.peer_copy=auto"], "off": ["--set", "checkpoint.peer_copy=off"]}
 STEADY = {"peer_copy auto": PEER_COPY["auto"], "peer_copy off": PEER_COPY["off"]}
 NODE_LOSS = {
     "auto, recover from peer copies": [*PEER_COPY["auto"], *SHARDED],
@@ -173,7 +174,10 @@ def measure_node_loss(size: str, config: str) -> dict:
         record["recovered_total_seconds_max"] = round(max(totals), 3)
     record["restarted_job"] = any(e.kind == ev.RESTART_BEGIN for e in after)
     record["checkpoint_loads"] = len([e for e in after if e.kind == ev.CHECKPOINT_LOAD])
-    record["copy_failures"] = len([e for e in events if e.kind == ev.PEER_COPY_FAILED])
+    # A copy under way to (or from) the lost node fails with it: only failures before the fault are suspect.
+    failures = [e for e in events if e.kind == ev.PEER_COPY_FAILED]
+    record["copy_failures_before_fault"] = len([e for e in failures if e.time < fault.time])
+    record["copy_failures_after_fault"] = [e.details.get("reason", "") for e in failures if e.time >= fault.time]
     anchors = sorted({e.step for e in events if e.kind == ev.PEER_COPY and e.rank == 0 and e.time < fault.time})
     if anchors:
         record["last_anchor_before_fault"] = anchors[-1]
@@ -182,7 +186,22 @@ def measure_node_loss(size: str, config: str) -> dict:
 
 def median_of(runs: list[dict], key: str) -> float | None:
     values = [run[key] for run in runs if run.get(key) is not None]
-    return round(statistics.median(values), 4) if values else None
+    if not values:
+        return None
+    median = round(statistics.median(values), 4)
+    return int(median) if median == int(median) else median
+
+
+def paired_overheads(runs: list[dict], size: str) -> list[float]:
+    """auto's step time against off's of the same repeat (the runs next to each other), in percent."""
+    overheads = []
+    for repeat in sorted({run["repeat"] for run in runs}):
+        pair = {run["config"]: run.get("step_ms") for run in runs
+                if (run["size"], run["part"], run["repeat"]) == (size, "steady", repeat)}
+        auto, off = pair.get("peer_copy auto"), pair.get("peer_copy off")
+        if auto and off:
+            overheads.append(round(100 * (auto / off - 1), 1))
+    return overheads
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -214,6 +233,7 @@ def summarize(runs: list[dict]) -> dict:
         auto, off = steady.get("peer_copy auto"), steady.get("peer_copy off")
         if auto and off and auto["step_ms_median"] and off["step_ms_median"]:
             auto["overhead_percent"] = round(100 * (auto["step_ms_median"] / off["step_ms_median"] - 1), 2)
+            auto["paired_overhead_percent_all"] = paired_overheads(runs, size)
         steady_shas = {run["param_sha256"] for run in runs if run["size"] == size and run["part"] == "steady"}
         summary["steady"][size] = {"configs": steady, "fault_free_param_sha256": sorted(references),
                                    "auto_and_off_bitwise_equal": len(steady_shas) == 1}
@@ -229,6 +249,7 @@ def summarize(runs: list[dict]) -> dict:
                    "bitwise_fault_free": [run["param_sha256"] in references if references else None
                                           for run in chosen],
                    "standbys_ready_before_fault": [run.get("standbys_ready_before_fault") for run in chosen],
+                   "copy_failures_before_fault": sum(run.get("copy_failures_before_fault", 0) for run in chosen),
                    "load_all": [run["load_before"] for run in chosen]}
             for key in ("detect_seconds", "mttr_seconds", "steps_lost", "recovered_total_seconds_max"):
                 row[key + "_median"] = median_of(chosen, key)
@@ -239,12 +260,15 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def markdown_tables(summary: dict) -> str:
-    lines = ["| size | peer_copy | runs (failed) | step ms (median; all) | overhead | bytes per copy (one rank) "
+    lines = ["| size | peer_copy | runs (failed) | step ms (median; all) | overhead (of medians; per repeat) | bytes per copy (one rank) "
              "| copy s (median) | anchors apart, steps (median / max) | copy failures | load |",
              "|" + " --- |" * 10]
     for size, part in summary["steady"].items():
         for config, row in part["configs"].items():
-            overhead = f"{row['overhead_percent']:+.1f} %" if "overhead_percent" in row else "-"
+            overhead = "-"
+            if "overhead_percent" in row:
+                paired = ", ".join(f"{value:+.1f}" for value in row["paired_overhead_percent_all"])
+                overhead = f"{row['overhead_percent']:+.1f} % ({paired})"
             gaps = (f"{row['anchor_gap_steps_median']} / {row['anchor_gap_steps_max']}"
                     if "anchor_gap_steps_median" in row else "-")
             lines.append(f"| {size} | {config.split()[-1]} | {row['runs']} ({row['failed']}) | {row['step_ms_median']} "
@@ -285,7 +309,7 @@ def main() -> None:
     parser.add_argument("--table", type=Path, help="print the tables of an existing results file and exit")
     args = parser.parse_args()
     if args.table:
-        print(markdown_tables(json.loads(args.table.read_text())["summary"]))
+        print(markdown_tables(summarize(json.loads(args.table.read_text())["runs"])))
         return
     sizes = [size for size in args.sizes.split(",") if size]
     parts = [part for part in args.parts.split(",") if part]

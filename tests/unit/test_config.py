@@ -342,6 +342,7 @@ def test_yaml_watchdog_on_and_quoted_detect_only(tmp_path: Path) -> None:
     assert load_job_spec(write_yaml(tmp_path, "checkpoint:\n  overlap: on\n")).checkpoint.overlap == "on"
     assert load_job_spec(write_yaml(tmp_path, "checkpoint:\n  overlap: off\n")).checkpoint.overlap == "off"
     assert load_job_spec().checkpoint.overlap == "auto"
+    assert load_job_spec(write_yaml(tmp_path, "checkpoint:\n  peer_copy: off\n")).checkpoint.peer_copy == "off"
 
 
 def test_overrides_win_over_file_and_none_means_not_given(tmp_path: Path) -> None:

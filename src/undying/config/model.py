@@ -71,7 +71,7 @@ class CheckpointSpec(BaseModel):
 
     _reject_bool_numbers = field_validator("interval", "keep", "snapshot_budget", "snapshot_slots",
                                            mode="before")(_reject_bool)
-    _on_off_from_yaml_bool = field_validator("overlap", mode="before")(_on_off_from_bool)
+    _on_off_from_yaml_bool = field_validator("overlap", "peer_copy", mode="before")(_on_off_from_bool)
 
     @field_validator("snapshot_interval", mode="before")
     @classmethod
