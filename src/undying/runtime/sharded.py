@@ -10,13 +10,16 @@ rank receives it from a rank that holds the same shard in another replica (``sha
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from undying.runtime.mesh import SwappableGroup, SwappableMesh
 from undying.strategy_names import StrategyName
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # What a sharded job may list in recover_strategy besides exit and job-restart.
 SHARDED_STRATEGIES = (StrategyName.RETRY, StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER, StrategyName.DUMP,
@@ -149,8 +152,22 @@ class ShardedModel(torch.nn.Module):
                     fsdp_param.unsharded_accumulated_grad = None
 
 
+def is_dtensor(value: Any) -> TypeGuard[DTensor]:
+    """Is ``value`` a DTensor? Without importing ``torch.distributed.tensor`` (over half a second of
+    every worker's start, measured) where nothing has: then nothing can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+def fsdp_loaded() -> bool:
+    """Has anything imported FSDP2? A data-parallel job never does, and never pays its import."""
+    return "torch.distributed.fsdp" in sys.modules
+
+
 def is_sharded(module: torch.nn.Module) -> bool:
     """Was ``fully_shard`` applied to ``module`` (or a compiled module's original)?"""
+    if not fsdp_loaded():
+        return False
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(getattr(module, "_orig_mod", module), FSDPModule)
@@ -159,6 +176,8 @@ def is_sharded(module: torch.nn.Module) -> bool:
 def reshard(module: torch.nn.Module) -> None:
     """Put every FSDP module's sharded parameters back on it: between its all-gather and its reshard
     (a step that failed there) a module holds its unsharded parameters instead."""
+    if not fsdp_loaded():
+        return
     from torch.distributed.fsdp import FSDPModule
 
     for submodule in module.modules():
@@ -191,7 +210,7 @@ def local_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     reshard(module)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in named_tensors(module):
-        tensors[name] = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+        tensors[name] = (tensor.to_local() if is_dtensor(tensor) else tensor).detach()
     return tensors
 
 
@@ -214,7 +233,7 @@ def local_optimizer_state(state_dict: dict[str, Any]) -> dict[str, Any]:
     for param_id, entry in state_dict["state"].items():
         state[param_id] = {}
         for key, value in entry.items():
-            if isinstance(value, DTensor):
+            if is_dtensor(value):
                 state[param_id][key] = value.to_local()
                 dtensors.append([param_id, key])
             else:
@@ -226,6 +245,7 @@ def load_local_optimizer_state(optimizer: torch.optim.Optimizer, local: dict[str
     """Load what ``local_optimizer_state`` made into ``optimizer`` (its state may not exist yet: a
     replacement rank's optimizer has not stepped): each former DTensor becomes one again, placed
     like the parameter it belongs to."""
+    from torch.distributed.tensor import DTensor
     params = {saved: param for saved_group, group in zip(local["param_groups"], optimizer.param_groups, strict=True)
               for saved, param in zip(saved_group["params"], group["params"], strict=True)}
     state = {param_id: dict(entry) for param_id, entry in local["state"].items()}

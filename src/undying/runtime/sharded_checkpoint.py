@@ -12,12 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from undying.checkpoint.dcp_format import UNDYING_KEY, model_key, optimizer_key, optimizer_param_names
 from undying.checkpoint.dcp_sharded import load_sharded, reader, saved_keys
 from undying.checkpoint.storage import CommittedCheckpoint, CorruptCheckpoint
-from undying.runtime.sharded import named_tensors, reshard
+from undying.runtime.sharded import is_dtensor, named_tensors, reshard
 
 # (device mesh, placements, global shape, global stride) of one sharded tensor.
 Spec = tuple[Any, tuple[Any, ...], torch.Size, tuple[int, ...]]
@@ -34,7 +33,7 @@ class DcpLayout:
         self.optimizers = optimizers
         self.specs: list[dict[str, Spec]] = [
             {name: (tensor.device_mesh, tuple(tensor.placements), tensor.shape, tuple(tensor.stride()))
-             for name, tensor in named_tensors(module) if isinstance(tensor, DTensor)}
+             for name, tensor in named_tensors(module) if is_dtensor(tensor)}
             for module in modules]
         self.param_names = [optimizer_param_names(optimizer, modules) for optimizer in optimizers]
 
@@ -102,7 +101,7 @@ class DcpLayout:
             param = params.get(name)
             if param is None:
                 raise CorruptCheckpoint(f"optimizer state of {name!r}, a parameter this job's optimizer lacks")
-            if isinstance(param, DTensor) and tuple(meta.size) == tuple(param.shape):
+            if is_dtensor(param) and tuple(meta.size) == tuple(param.shape):
                 target: torch.Tensor = torch.empty_like(param.detach(), dtype=meta.properties.dtype)
             else:  # a step counter and the like: where torch's optimizer keeps it
                 target = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
@@ -113,6 +112,8 @@ class DcpLayout:
 def _as_dtensor(tensor: torch.Tensor, spec: Spec | None) -> torch.Tensor:
     if spec is None:
         return tensor
+    from torch.distributed.tensor import DTensor
+
     mesh, placements, shape, stride = spec
     return DTensor.from_local(tensor, mesh, placements, run_check=False, shape=shape, stride=stride)
 
