@@ -66,7 +66,9 @@ def steps_a_survivor_took_from_a_peer(run: JobRun) -> dict[int, set[int]]:
     samples = run.samples()
     for shrink in run.kinds(ev.ELASTIC_SHRINK):
         for rank in shrink.details["dropped_ranks"]:
-            last = max((step for step, records in samples.items() if any(r["rank"] == rank for r in records)),
+            # Its last record before the shrink (a node that comes back logs later steps again).
+            last = max((step for step, records in samples.items()
+                        if any(r["rank"] == rank and r["generation"] < shrink.generation for r in records)),
                        default=-1)
             records = samples.get(last + 1, [])
             if any(r["replicas"] == shrink.details["old_world_size"] for r in records):
