@@ -41,6 +41,7 @@ SIZES = {"50M": (12, True, True), "200M": (48, True, True), "1B": (240, False, F
 DEFAULT_SIZES = ["50M", "200M", "1B"]
 LOOP_BATCH = 16  # rows per training step in the loop measurement (AdamW sizes only)
 PAGE = os.sysconf("SC_PAGE_SIZE")
+SETTLE_S = 1.0  # after os.sync(): the disk idle again before the next method is timed
 DEVICE = torch.device("cpu")  # --device: where the model and optimizer live (cuda: snapshots are D2H copies)
 
 
@@ -135,7 +136,10 @@ def measure_copy(tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
 
 
 def measure_undying(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path, full: bool,
-                    repeats: int) -> dict[str, Any]:
+                    repeats: int, persist_from: RankSnapshots | None = None) -> dict[str, Any]:
+    """Snapshot stalls and the T1 load on fresh slots; the T2 persist from ``persist_from`` when given: slots
+    that earlier rounds wrote already, as a running job's are (the first persist after fresh slots
+    were allocated ran up to 2x slower here, and a job persists from slots it has long used)."""
     shm_dir = Path(os.environ.get("UNDYING_SHM_DIR", "/dev/shm")) / f"undying-bench-{os.getpid()}" / "node0"
     snapshots = RankSnapshots(shm_dir, rank=0, slots=2)
     state = {"replica": replica_state(model, optimizer), "rank": {"rng": {"torch": torch.get_rng_state()},
@@ -161,8 +165,14 @@ def measure_undying(model: torch.nn.Module, optimizer: torch.optim.Optimizer, wo
         if not full:
             return result
         root = work / "undying"
+        source = snapshots
+        if persist_from is not None:
+            step = max((info.step for info in persist_from.committed()), default=0) + 1
+            persist_from.write(state, step=step, generation=1, world_size=1)
+            source = persist_from
+            settle_page_cache()
         idle = gil_waits(lambda: True, at_least=0.5)
-        persister = Persister(snapshots=snapshots, root=root, rank=0,
+        persister = Persister(snapshots=source, root=root, rank=0,
                               store=torch.distributed.HashStore(), key_prefix="bench", keep=1,
                               param_names=[optimizer_param_names(optimizer, [model])], rank_file="rank_00000.pt",
                               records_timeout=600, current_generation=lambda: 1)
@@ -183,6 +193,7 @@ def measure_undying(model: torch.nn.Module, optimizer: torch.optim.Optimizer, wo
         optimizer.load_state_dict(loaded["optimizers"][0])
         result["load_t2_s"] = time.perf_counter() - started
         del loaded
+        shutil.rmtree(root, ignore_errors=True)  # the next round's (or size's) steps may be lower
         return result
     finally:
         snapshots.close()
@@ -294,6 +305,14 @@ def measure_async_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             "gil_wait_idle": idle, "gil_wait_persisting": busy}
 
 
+def settle_page_cache() -> None:
+    """Before each method: write back what the previous one left dirty (``async_save`` never fsyncs,
+    and its files' writeback may still run when they are deleted), so that no method pays for
+    another's writeback. Without it the method after a large unsynced write was up to 2x slower."""
+    os.sync()
+    time.sleep(SETTLE_S)
+
+
 def medians(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The first round's result, its persist and load times replaced by the median over all rounds
     (each round's value kept beside it, as ``<key>_runs``)."""
@@ -320,14 +339,28 @@ def run_size(name: str, work: Path, repeats: int, loop_rounds: int, rounds: int 
     # Each round runs every method once, in turn, so that the machine's drift (other processes, the
     # disk's cache) hits each alike; the row holds each timing's median and every round's value.
     runs: dict[str, list[dict[str, Any]]] = {"undying": [], "torch_save": [], "async_save": []}
+    steady_dir = Path(os.environ.get("UNDYING_SHM_DIR", "/dev/shm")) / f"undying-bench-steady-{os.getpid()}" / "node0"
+    steady = RankSnapshots(steady_dir, rank=0, slots=2) if full else None
+    if steady is not None:  # both slots allocated and written once before the first round
+        warm = {"replica": replica_state(model, optimizer), "rank": {"rng": {"torch": torch.get_rng_state()},
+                                                                     "statefuls": {}}}
+        for warm_step in (1, 2):
+            steady.write(warm, step=warm_step, generation=1, world_size=1)
+            steady.wait_reserved()
     for _ in range(rounds):
-        runs["undying"].append(measure_undying(model, optimizer, work, full, repeats))
+        settle_page_cache()
+        runs["undying"].append(measure_undying(model, optimizer, work, full, repeats, steady))
         print(f"  undying {runs['undying'][-1]}", flush=True)
+        settle_page_cache()
         runs["torch_save"].append(measure_torch_save(model, optimizer, work))
         print(f"  torch.save {runs['torch_save'][-1]}", flush=True)
         if full:
+            settle_page_cache()
             runs["async_save"].append(measure_async_save(model, optimizer, work))
             print(f"  async_save {runs['async_save'][-1]}", flush=True)
+    if steady is not None:
+        steady.close()
+        shutil.rmtree(steady_dir.parent, ignore_errors=True)
     for method, results in runs.items():
         if results:
             row[method] = medians(results)
