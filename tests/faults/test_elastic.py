@@ -99,11 +99,9 @@ def assert_same_samples_and_close(run: JobRun, reference: JobRun, steps: int, re
     if rerun:
         samples = last_run_of_each_step(samples)
     assert sorted(samples) == list(range(steps)) == sorted(expected)
-    for step in range(steps):
-        indices = step_samples(samples[step])
-        assert indices == step_samples(expected[step]), f"step {step} used other samples"
-        assert len(indices) == len(set(indices)), f"step {step} used a sample twice"
-        assert global_loss(samples[step]) == pytest.approx(global_loss(expected[step]), rel=LOSS_RTOL)
+    # A rank of the lost node killed between a step every rank committed and its record of that
+    # step leaves that one record missing (seen in CI: rank 3's record of step 9).
+    assert_samples_kept(samples, expected, steps_a_survivor_took_from_a_peer(run), steps, LOSS_RTOL)
     final = torch.load(run.run_dir / FINAL_STATE)
     fault_free = torch.load(reference.run_dir / FINAL_STATE)
     worst = max((final[name] - fault_free[name]).abs().max().item() for name in fault_free)
