@@ -128,6 +128,14 @@ class PeerCopies:
         state.load_replica_state(received["replica"])
         state.load_rank_state(received["rank"])
 
+    def send_copies(self, step: int, from_copies: dict[int, int]) -> None:
+        """Of ``from_copies`` (group index -> its holder's), send this rank's node's copy of ``step`` to
+        each rank whose holder this rank is."""
+        index = self._membership.members.index(self._membership.rank)
+        for origin, holder in from_copies.items():
+            if holder == index:
+                self.send_copy(step, origin)
+
     def send_copy(self, step: int, destination: int) -> None:
         """Send this node's copy of the origin's snapshot of ``step`` to group rank ``destination``."""
         copy, membership = self.copy, self._membership

@@ -333,9 +333,7 @@ class CheckpointEngine:
             details: dict[str, Any] = {"path": None if self.directory is None else str(self.directory),
                                        "dump": False}
             index = membership.members.index(membership.rank)
-            for origin, holder in from_copies.items():
-                if holder == index:
-                    self.peer.send_copy(step, origin)
+            self.peer.send_copies(step, from_copies)
             if index in from_copies:  # this rank's node was lost: its holder's copy
                 self.peer.receive_copy(from_copies[index], training)
                 details["peer_copy"] = membership.members[from_copies[index]]
