@@ -182,7 +182,10 @@ def test_a_job_restart_after_a_shrink_restarts_at_the_shrunk_size(reference_run:
     start = run.kinds(ev.GENERATION_START)[-1]
     assert (start.generation, start.details["members"]) == (end.generation, [0, 1])
     loads = [e for e in run.kinds(ev.CHECKPOINT_LOAD) if e.generation == end.generation]
-    assert {(e.rank, e.step, e.details["source"]) for e in loads} == {(0, 20, "memory"), (1, 20, "memory")}
+    # Rank 1 dies as it begins step 20, right after its snapshot of it; rank 0 holds 19 if its own
+    # snapshot of step 20 had not finished when its agent stopped it, and then both restart from 19.
+    assert {(e.rank, e.details["source"]) for e in loads} == {(0, "memory"), (1, "memory")}
+    assert len({e.step for e in loads}) == 1 and loads[0].step in (19, 20), loads
     assert run.result["replicas"] == 2 and run.result["generation"] == end.generation
     assert {r["replicas"] for r in run.samples()[STEPS - 1]} == {2}
 

@@ -18,15 +18,17 @@ pytestmark = pytest.mark.faults
 
 
 def assert_recovered_bitwise(run: JobRun, reference: JobRun, *reasons: str, source: str = "storage",
-                             step: int = 10) -> None:
-    """Recovered by a job restart that loaded ``step`` from ``source`` ("memory": every node's T1
-    snapshots survived the fault; "storage": the step-10 checkpoint), ending bitwise equal."""
+                             step: int | tuple[int, ...] = 10) -> None:
+    """Recovered by a job restart that loaded ``step`` (or one of the steps given) from ``source``
+    ("memory": every node's T1 snapshots survived the fault; "storage": the step-10 checkpoint),
+    ending bitwise equal."""
+    steps = step if isinstance(step, tuple) else (step,)
     assert run.returncode == 0, run.output + run.logs()
     faults = run.kinds(ev.FAULT_DETECTED)
     assert faults and faults[0].details["reason"] in reasons, [f.details for f in faults]
     assert run.kinds(ev.DECISION)[0].details["strategy"] == "job-restart"
     loads = [event for event in run.kinds(ev.CHECKPOINT_LOAD) if event.rank == 0]
-    assert loads and (loads[-1].step, loads[-1].details["source"]) == (step, source), \
+    assert loads and loads[-1].step in steps and loads[-1].details["source"] == source, \
         [(event.step, event.details) for event in loads]
     assert run.result["final_step"] == STEPS
     assert run.result["param_sha256"] == reference.result["param_sha256"]
@@ -42,12 +44,14 @@ def test_fault_free_runs_are_bitwise_identical(reference_run: JobRun, tmp_path: 
 
 def test_killed_worker_job_restarts_bitwise_equal(reference_run: JobRun, tmp_path: Path) -> None:
     run = run_job(tmp_path, ["--inject", "kill:rank=1:step=15"])
-    # Every rank snapshotted step 15 into its node's memory before rank 1 died as it began step 15:
-    # each reads its own snapshot, nobody falls back to the step-10 checkpoint in storage.
-    assert_recovered_bitwise(run, reference_run, "worker_exit", source="memory", step=15)
+    # Rank 1 snapshotted step 15 into its node's memory and died as it began step 15. Its peers
+    # snapshot step 15 at the same moment, each after its own commit of step 14: the one that had
+    # not finished when the agents stopped it holds 14, and then every rank restarts from 14. Either
+    # way each reads its own snapshot; nobody falls back to the step-10 checkpoint in storage.
+    assert_recovered_bitwise(run, reference_run, "worker_exit", source="memory", step=(14, 15))
     loads = [event for event in run.kinds(ev.CHECKPOINT_LOAD) if event.generation == 2]
     assert sorted(event.rank for event in loads) == [0, 1, 2, 3]
-    assert {(event.step, event.details["source"]) for event in loads} == {(15, "memory")}
+    assert len({(event.step, event.details["source"]) for event in loads}) == 1, loads
     saves = run.kinds(ev.CHECKPOINT_SAVE)
     # Step 10's commit is reported at the first step boundary after the persister finished it; the kill
     # five steps later (0.4 s on a quiet machine) may come first. Steps 20 and 30 are always reported.
@@ -62,7 +66,8 @@ def test_a_job_restart_starts_every_rank_from_a_warm_standby(reference_run: JobR
     """With warm standbys each agent keeps a node's worth of pre-started interpreters (torch and
     torch._dynamo imported); a job restart starts all four ranks in them and ends bitwise equal."""
     run = run_job(tmp_path, ["--set", "warm_standby=true", "--inject", "kill:rank=1:step=25"])
-    assert_recovered_bitwise(run, reference_run, "worker_exit", source="memory", step=25)
+    # 24 where a peer had not finished its snapshot of step 25 when it was stopped (as above).
+    assert_recovered_bitwise(run, reference_run, "worker_exit", source="memory", step=(24, 25))
     for rank in range(4):
         log = (tmp_path / "logs" / f"rank{rank}.log").read_text()
         assert "--- generation 2 (warm standby) ---" in log, log[-2000:]

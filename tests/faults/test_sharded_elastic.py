@@ -83,7 +83,10 @@ def test_a_job_restart_after_a_shrink_restarts_the_replica_left(hsdp_reference: 
     start = run.kinds(ev.GENERATION_START)[-1]
     assert (start.generation, start.details["members"]) == (end.generation, [0, 1])
     loads = [e for e in run.kinds(ev.CHECKPOINT_LOAD) if e.generation == end.generation]
-    assert {(e.rank, e.step, e.details["source"]) for e in loads} == {(0, 12, "memory"), (1, 12, "memory")}
+    # Rank 1 dies as it begins step 12, right after its snapshot of it; rank 0 holds 11 if its own
+    # snapshot of step 12 had not finished when its agent stopped it, and then both restart from 11.
+    assert {(e.rank, e.details["source"]) for e in loads} == {(0, "memory"), (1, "memory")}
+    assert len({e.step for e in loads}) == 1 and loads[0].step in (11, 12), loads
     samples, expected = last_run_of_each_step(run.samples()), hsdp_reference.samples()
     assert sorted(samples) == list(range(STEPS))
     assert_samples_kept(samples, expected, steps_a_survivor_took_from_a_peer(run), STEPS, LOSS_RTOL)
