@@ -38,7 +38,8 @@ PROCESS = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
            "--recover-strategy", "retry,recover-in-place,recover,dump"]
 BASE = ["--nnodes", "2", "--nproc-per-node", "2", "--checkpoint-interval", "10", "--quiet"]
 HANG = ["--inject", f"hang:rank=1:step={FAULT_STEP}"]
-# The controller process, with every heartbeat's arrival recorded (rank, pid, monotonic time).
+# The controller process, with every heartbeat's arrival recorded (rank, pid, monotonic time), and
+# every request of an agent (poll, report, beat) as rank -1 - node.
 RECORD_BEATS = """
 import atexit, json, os, sys, time
 from undying.controller import machine
@@ -48,6 +49,11 @@ def heartbeat(self, now, beat):
     arrivals.append((beat.rank, beat.pid, time.monotonic()))
     return original(self, now, beat)
 machine.JobMachine.heartbeat = heartbeat
+reported = machine.JobMachine.agent_report
+def agent_report(self, now, poll):
+    arrivals.append((-1 - poll.node, poll.pid, time.monotonic()))  # any request of node N's agent
+    return reported(self, now, poll)
+machine.JobMachine.agent_report = agent_report
 atexit.register(lambda: open(os.environ["BENCH_BEATS"], "w").write(json.dumps(arrivals)))
 from undying.cli import main
 sys.exit(main())
@@ -79,16 +85,29 @@ def run_job(options: list[str], steps: int, hogs: int = 0,
         return result.returncode, round(wall, 3), read_events(run_dir), beats
 
 
-def beat_gaps(beats: list[list[float]]) -> dict[str, float]:
-    """The longest and the 99th-percentile gap between two heartbeats of one process, over all ranks."""
+def beat_gaps(beats: list[list[float]], per_node: int = 2) -> dict[str, float]:
+    """The longest and the 99th-percentile gap between two heartbeats of one process, over all ranks;
+    the longest gap between two agent requests; and the longest silence of a whole node (its agent
+    and all its ranks at once), which the controller takes for a frozen host past
+    ``host_silence_timeout``."""
     by_process: dict[tuple[int, int], list[float]] = {}
+    by_node: dict[int, list[float]] = {}
     for rank, pid, at in beats:
         by_process.setdefault((int(rank), int(pid)), []).append(at)
-    gaps = sorted(later - earlier for times in by_process.values() for earlier, later in pairwise(times))
+        by_node.setdefault(-1 - int(rank) if rank < 0 else int(rank) // per_node, []).append(at)
+
+    def gaps_of(groups: list[list[float]]) -> list[float]:
+        return sorted(later - earlier for times in groups for earlier, later in pairwise(sorted(times)))
+
+    gaps = gaps_of([times for (rank, _), times in by_process.items() if rank >= 0])
     if not gaps:
         return {}
+    agents = gaps_of([times for (rank, _), times in by_process.items() if rank < 0])
+    nodes = gaps_of(list(by_node.values()))
     return {"max_beat_gap": round(gaps[-1], 3), "p99_beat_gap": round(gaps[int(len(gaps) * 0.99)], 3),
-            "beats": len(gaps) + len(by_process)}
+            "beats": len(gaps) + len(by_process),
+            **({"max_agent_gap": round(agents[-1], 3)} if agents else {}),
+            **({"max_node_silence": round(nodes[-1], 3)} if nodes else {})}
 
 
 def fault_timings(events: list[Event]) -> dict[str, float]:

@@ -323,25 +323,40 @@ class Agent:
 
     def _watch_stopped(self) -> None:
         """Tell the controller the moment a worker is stopped (or continued), instead of it waiting
-        out heartbeat_timeout: the agent's own poll may be held for monitor_interval."""
+        out heartbeat_timeout: the agent's own poll may be held for monitor_interval. Between such
+        reports, beat twice per heartbeat_interval, on a fixed cadence: the controller tells a
+        frozen host (agent and ranks silent together) from a hung rank (its agent still beats) by
+        it, and one beat late under load must not make a live host look frozen."""
+        every = self.spec.heartbeat_interval / 2
+        next_beat = time.monotonic()
+        client = ControllerClient(self.controller_address, self.token,
+                                  timeout=max(2.0, 3 * self.spec.heartbeat_interval), locator=self.locator)
         while not self._stopping:
             running = {rank: process.pid for rank, process in list(self.workers.items()) if process.poll() is None}
-            changed = self.stopped_workers.observe(running, time.monotonic())
-            if changed and not self._stopping:
-                self._report(changed)
-            time.sleep(STOPPED_CHECK_EVERY)
+            now = time.monotonic()
+            changed = self.stopped_workers.observe(running, now)
+            if (changed or now >= next_beat) and not self._stopping:
+                self._report(changed, client)
+            if now >= next_beat:
+                next_beat += every  # on the cadence: a late beat does not push the next ones back
+                if next_beat <= now:
+                    next_beat = now + every
+            time.sleep(max(0.0, min(STOPPED_CHECK_EVERY, next_beat - time.monotonic())))
+        client.close()
 
-    def _report(self, ranks: list[int]) -> None:
-        """The statuses of ``ranks`` on a connection of their own (the main one is held by the poll)."""
+    def _report(self, ranks: list[int], client: ControllerClient | None = None) -> None:
+        """The statuses of ``ranks`` (none: a beat) on a connection other than the poll's: the
+        watching thread's own ``client``, or one opened for this report."""
         status = [s.to_dict() for s in self._statuses() if s.rank in ranks]
-        client = ControllerClient(self.controller_address, self.token, timeout=5.0, locator=self.locator)
+        own = client or ControllerClient(self.controller_address, self.token, timeout=5.0, locator=self.locator)
         try:
-            client.post(ROUTE_AGENT_REPORT, AgentPoll(self.node, self.generation, status, wait=0.0,
-                                                      pid=os.getpid(), hostname=socket.gethostname()).to_dict())
+            own.post(ROUTE_AGENT_REPORT, AgentPoll(self.node, self.generation, status, wait=0.0, pid=os.getpid(),
+                                                   hostname=socket.gethostname()).to_dict())
         except (ControllerUnreachable, Unauthorized):
             pass  # the next poll carries the same status
         finally:
-            client.close()
+            if client is None:
+                own.close()
 
     def _keep_standby(self) -> None:
         """Pre-start a warm standby when one is due (the agent's main thread: PDEATHSIG is per thread)."""

@@ -221,13 +221,15 @@ def freeze_node1_after_a_few_steps(cluster: Hosts) -> float:
 
 
 def assert_lost_as_a_frozen_host(run: JobRun, story: str) -> None:
-    """Node 1's ranks missed their heartbeats (heartbeat_timeout, 4 s) while its agent was silent
-    too: the node is lost then, and recovered as one (recover), without first trying a
-    recover-in-place that only its (frozen) agent could carry out."""
+    """Node 1's agent and ranks all went silent while node 0 was heard: the node is lost a
+    heartbeat interval and a slack after their last beats (not at the 4 s heartbeat timeout), and
+    recovered as one (recover), without first trying a recover-in-place that only its (frozen)
+    agent could carry out."""
     assert [d.details["strategy"] for d in run.kinds(ev.DECISION)] == ["recover"], story
     assert not run.kinds(ev.RECOVERY_FAILED), story
     [lost] = [e for e in run.kinds(ev.AGENT_LOST) if e.node == 1]
     assert "frozen or cut off" in lost.details["why"], story
+    assert "neither its agent nor its ranks were heard" in lost.details["why"], story
 
 
 def assert_old_ranks_of_node1_were_silent(run: JobRun, cluster: Hosts, plan: Event) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -251,13 +251,15 @@ class Job:
         self.controller.heartbeat(Heartbeat(rank, node, generation, step, phase, 2000 + rank))
 
     def keep_beating(self, rank: int, step: int, seconds: float, poll_wait: float = 0.05,
-                     until: Callable[[], bool] = lambda: False) -> None:
-        """A rank alive but stuck: it beats at ``step`` (its node's agent polling meanwhile) for
-        ``seconds`` or until ``until()``."""
+                     until: Callable[[], bool] = lambda: False, agents: Sequence[int] = ()) -> None:
+        """A rank alive but stuck: it beats at ``step`` (its node's agent polling meanwhile, and the
+        agents of the nodes in ``agents`` beating) for ``seconds`` or until ``until()``."""
         node = rank // self.spec.nproc_per_node
         deadline = self.now() + seconds
         while self.now() < deadline and not until():
             before = self.now()
+            for other in agents:
+                self.controller.report(AgentPoll(other, 1, []))
             self.beat(rank, step)
             self.poll(node, 1, self.statuses(node, 1), wait=poll_wait)
             if self.now() == before:

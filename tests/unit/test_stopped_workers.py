@@ -90,20 +90,24 @@ def test_a_stopped_then_replaced_worker_is_forgotten() -> None:
 
 def test_the_agent_reports_its_worker_stopped_and_running_again_at_once(
         sleeper: subprocess.Popen[bytes], tmp_path: Path) -> None:
-    """The agent's watcher, with a real worker process: each change is reported without a poll."""
-    agent = Agent(0, JobSpec(), "127.0.0.1:9", "token", tmp_path, ["true"])
+    """The agent's watcher, with a real worker process: each change is reported without a poll, and
+    between changes it beats (a report of no worker) twice per heartbeat_interval."""
+    agent = Agent(0, JobSpec(heartbeat_interval=0.4), "127.0.0.1:9", "token", tmp_path, ["true"])
     agent.workers, agent.local_ranks, agent.worker_generations = {3: sleeper}, {3: 1}, {3: 1}
     reports: list[list[str]] = []
-    agent._report = lambda ranks: reports.append([s.state for s in agent._statuses() if s.rank in ranks])
+    agent._report = lambda ranks, client=None: reports.append(  # type: ignore[method-assign]
+        [s.state for s in agent._statuses() if s.rank in ranks])
+    changes = lambda: [report for report in reports if report]  # noqa: E731
     watcher = threading.Thread(target=agent._watch_stopped, daemon=True)
     watcher.start()
     try:
-        time.sleep(0.3)
-        assert reports == []
+        time.sleep(1.0)
+        assert changes() == []
+        assert 2 <= len(reports) <= 8, reports  # about 5 beats in 1 s
         os.kill(sleeper.pid, signal.SIGSTOP)
-        assert eventually(lambda: reports == [[WorkerState.STOPPED]])
+        assert eventually(lambda: changes() == [[WorkerState.STOPPED]])
         os.kill(sleeper.pid, signal.SIGCONT)
-        assert eventually(lambda: reports == [[WorkerState.STOPPED], [WorkerState.RUNNING]])
+        assert eventually(lambda: changes() == [[WorkerState.STOPPED], [WorkerState.RUNNING]])
     finally:
         agent._stopping = True
         watcher.join(timeout=5)

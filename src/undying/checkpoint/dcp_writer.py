@@ -15,12 +15,12 @@ import io
 import os
 import sys
 import threading
-import zlib
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
 from undying.checkpoint.backend import Location, is_url
+from undying.checkpoint.crc import crc32
 from undying.checkpoint.manifest import crc32_checksum
 from undying.checkpoint.storage import FileRecord, record_file, record_written
 
@@ -56,7 +56,7 @@ class _ChecksummingStream(io.RawIOBase):
         if written is not None and written != view.nbytes:
             # A buffered file writes all or raises; anything else would leave the CRC wrong.
             raise OSError(f"short write: {written} of {view.nbytes} bytes")
-        self.crc = zlib.crc32(view, self.crc)  # releases the GIL, as the write did
+        self.crc = crc32(view, self.crc)  # releases the GIL, as the write did
         self.size += view.nbytes
         if self._kick is not None and self.size - self._kicked >= WRITEBACK_BYTES:
             self._kick(self._raw.fileno(), self._kicked, self.size - self._kicked)

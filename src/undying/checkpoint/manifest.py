@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 from dataclasses import asdict, dataclass
 from typing import IO, Any
+
+from undying.checkpoint.crc import crc32
 
 CHECKSUM_ALGO = "crc32"
 MANIFEST_NAME = "MANIFEST.json"
@@ -215,19 +216,19 @@ def is_int(value: object) -> bool:
 
 
 def crc32_checksum(crc: int) -> str:
-    """A manifest's spelling of a CRC-32 (``zlib.crc32``'s value)."""
+    """A manifest's spelling of a CRC-32 (``zlib.crc32``'s value, computed by checkpoint/crc.py)."""
     return f"{CHECKSUM_ALGO}:{crc & 0xFFFFFFFF:08x}"
 
 
 def checksum_bytes(data: bytes | memoryview) -> str:
-    return crc32_checksum(zlib.crc32(data))
+    return crc32_checksum(crc32(data))
 
 
 def checksum_stream(stream: IO[bytes]) -> tuple[int, str]:
     """Size and CRC-32 of what ``stream`` holds from here to its end, read in chunks."""
     crc = size = 0
     while chunk := stream.read(_READ_CHUNK):
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         size += len(chunk)
     return size, crc32_checksum(crc)
 

@@ -20,13 +20,14 @@ import mmap
 import os
 import pickle
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from undying.checkpoint.crc import crc32
 
 MAGIC = b"UNDYSNAP"
 FORMAT_VERSION = 1
@@ -187,9 +188,9 @@ class Slot:
         meta_offset = HEADER_BYTES + data_bytes
         self._mm[meta_offset:meta_offset + len(meta)] = meta
         fields = _HEADER.pack(MAGIC, FORMAT_VERSION, seq, step, generation, world_size, data_bytes,
-                              meta_offset, len(meta), zlib.crc32(meta))
+                              meta_offset, len(meta), crc32(meta))
         self._mm[:_HEADER.size] = fields
-        _WORD.pack_into(self._mm, _HEADER_CRC_OFFSET, zlib.crc32(fields))
+        _WORD.pack_into(self._mm, _HEADER_CRC_OFFSET, crc32(fields))
         # Written last: until this word says COMMITTED, no reader takes the slot (a torn copy stays invisible).
         self.set_state(STATE_COMMITTED)
         self.info = SnapshotInfo(self.index, seq, step, generation, world_size, data_bytes)
@@ -202,13 +203,13 @@ class Slot:
         if _WORD.unpack_from(mm, _STATE_OFFSET)[0] != STATE_COMMITTED:
             return None
         fields = bytes(mm[:_HEADER.size])
-        if zlib.crc32(fields) != _WORD.unpack_from(mm, _HEADER_CRC_OFFSET)[0]:
+        if crc32(fields) != _WORD.unpack_from(mm, _HEADER_CRC_OFFSET)[0]:
             return None
         magic, version, seq, step, generation, world_size, data_bytes, meta_offset, meta_bytes, meta_crc = \
             _HEADER.unpack(fields)
         if magic != MAGIC or version != FORMAT_VERSION or meta_offset + meta_bytes > self.size:
             return None
-        if zlib.crc32(mm[meta_offset:meta_offset + meta_bytes]) != meta_crc:
+        if crc32(mm[meta_offset:meta_offset + meta_bytes]) != meta_crc:
             return None
         return SnapshotInfo(self.index, seq, step, generation, world_size, data_bytes)
 

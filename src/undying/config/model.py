@@ -104,6 +104,12 @@ class CheckpointSpec(BaseModel):
         return value
 
 
+# A live agent and its ranks each beat every heartbeat_interval: this much later than a beat was
+# due, with all of them silent at once, the host is frozen or cut off (bench/detection.py measured
+# the longest gap between two beats under load; docs/benchmarks.md).
+HOST_SILENCE_SLACK = 0.9
+
+
 class JobSpec(BaseModel):
     """One job's configuration, with every value in range and the cross-field rules holding:
     non-exit strategies need ``process_recover``, ``heartbeat_timeout > heartbeat_interval``
@@ -227,6 +233,13 @@ class JobSpec(BaseModel):
     def fewest_nodes(self) -> int:
         """The fewest nodes elastic training may shrink to (``min_nodes``, else 1)."""
         return self.min_nodes if self.min_nodes is not None else 1
+
+    def host_silence_timeout(self) -> float:
+        """Seconds of silence from a node's agent and every rank of it after which the controller
+        takes the host for frozen or cut off (while another node is heard from): one heartbeat
+        interval plus ``HOST_SILENCE_SLACK``, never more than ``heartbeat_timeout``. A worker's
+        fence before it applies a step (its lease) is half of this."""
+        return min(self.heartbeat_timeout, self.heartbeat_interval + HOST_SILENCE_SLACK)
 
     def reschedule_wait(self) -> float:
         """Seconds to wait for a lost node to come back before elastic training shrinks the job:

@@ -214,10 +214,11 @@ class Controller:
             return order
 
     def report(self, poll: AgentPoll) -> None:
-        """An agent's immediate report of a worker's exit (no order is handed out here)."""
+        """An agent's immediate report of a worker's exit or stop, or its beat (no workers: news to
+        nobody, as a rank's heartbeat). No order is handed out here."""
         with self._cond:
             self._check_in_charge()
-            self._apply(lambda now: self.machine.agent_report(now, poll))
+            self._apply(lambda now: self.machine.agent_report(now, poll), News.ALWAYS if poll.workers else News.NEVER)
 
     def agent_leaving(self, leave: AgentLeave) -> bool:
         """A node's agent announces a planned leave (see ``JobMachine.agent_leaving``)."""

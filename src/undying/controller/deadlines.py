@@ -47,6 +47,7 @@ class Deadlines:
     recovery: float  # a process-level recovery (or the regroup of a grow) must form its generation
     grow_start: float  # returned ranks must start before a grow is tried
     heartbeat: float  # no heartbeat for this long: the rank hangs
+    host_silent: float  # neither the agent nor any rank of a node heard for this long: the host is frozen
     start: float  # no first heartbeat for this long: the rank did not start
     step: float | None  # the step-progress watchdog (None: off)
     reschedule_wait: float  # a lost node's time to come back before an elastic shrink
@@ -65,6 +66,7 @@ class Deadlines:
             recovery=spec.start_timeout + spec.comm_timeout,
             grow_start=spec.start_timeout,
             heartbeat=spec.heartbeat_timeout,
+            host_silent=spec.host_silence_timeout(),
             start=spec.start_timeout,
             step=spec.step_timeout,
             reschedule_wait=spec.reschedule_wait(),

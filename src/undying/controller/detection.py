@@ -2,10 +2,12 @@
 
 Runs in the controller, inside the job machine. Sources: a worker's exit (agent poll or its
 immediate report), a lost agent (no poll, or the launcher saw its process end), a worker its
-agent sees stopped (SIGSTOP: a hang, acted on at once), missed heartbeats (any other hang), a
-rank whose heartbeats go on but whose step does not move (``step_timeout``), no first heartbeat
-within ``start_timeout``, a rank that said it finished but does not exit, and a worker's own
-report that its step failed, held briefly so the decision is made on the real cause.
+agent sees stopped (SIGSTOP: a hang, acted on at once), a host whose agent and ranks all went
+silent while other nodes were heard (frozen or cut off, a heartbeat interval and a slack after its
+last beat), missed heartbeats (any other hang), a rank whose heartbeats go on but whose step does
+not move (``step_timeout``), no first heartbeat within ``start_timeout``, a rank that said it
+finished but does not exit, and a worker's own report that its step failed, held briefly so the
+decision is made on the real cause.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from undying.faults import Fault, FaultReason
 from undying.protocol import Heartbeat, Phase, WorkerState, WorkerStatus
 
 Emit = Callable[..., None]
+# A gap this long between two scans means the controller itself did not run: silences are counted
+# again from its return.
+CONTROLLER_PAUSE = 0.5
 
 
 class FaultDetector:
@@ -34,6 +39,10 @@ class FaultDetector:
         self.step_failures: list[tuple[float, Fault]] = []
         self.reported_failures: set[tuple[int, int]] = set()  # (rank, generation) step failures seen
         self.stopped: dict[int, int] = {}  # rank -> spawn generation of its process its agent sees stopped
+        # The controller's own scans: a host's silence counts only from when this process last ran
+        # without a pause (a controller descheduled for a second has not heard anyone meanwhile).
+        self._last_scan: float | None = None
+        self._listening_since = 0.0
 
     def clear(self) -> None:
         self.pending.clear()
@@ -65,7 +74,11 @@ class FaultDetector:
 
     def silent_agents(self, now: float) -> list[tuple[NodeRecord, str]]:
         """Live agents not heard from for too long, with why."""
+        if self._last_scan is None or now - self._last_scan > CONTROLLER_PAUSE:
+            self._listening_since = now
+        self._last_scan = now
         silent = []
+        frozen = self._silent_hosts(now)
         for node in self.membership.nodes.values():
             if not node.alive or node.exit_delivered:
                 continue
@@ -73,6 +86,9 @@ class FaultDetector:
                     and now - node.disconnected_since > self.deadlines.disconnected_agent_lost_after:
                 silent.append((node, f"its connection closed {now - node.disconnected_since:.1f} s ago and it "
                                      "did not poll again"))
+                continue
+            if node.node in frozen:
+                silent.append((node, frozen[node.node]))
                 continue
             limit = self.deadlines.agent_lost_after if node.confirmed else self.deadlines.unconfirmed_agent_lost_after
             quiet_ranks = self._ranks_silent_with_their_agent(node, now)
@@ -83,6 +99,34 @@ class FaultDetector:
                 silent.append((node, f"no poll for {now - node.last_seen:.1f} s and rank(s) {quiet_ranks} "
                                      f"without heartbeats: the host is frozen or cut off"))
         return silent
+
+    def _silent_hosts(self, now: float) -> dict[int, str]:
+        """Nodes whose agent and every rank with heartbeats went silent together for
+        ``deadlines.host_silent`` (a heartbeat interval plus a slack) while some other node was
+        heard from: the host is frozen or cut off, node -> why. A live agent beats every heartbeat
+        interval on a connection of its own, whatever its poll and its orders are doing, and a
+        stopped worker on a live host is its agent's to report; so one silence of all of them at
+        once is the host's. Empty unless the watchdog acts on hangs; a node without a rank that beats
+        yet (starting, a spare) is left to the longer limits below."""
+        if self.watchdog != "on":
+            return {}
+        limit = self.deadlines.host_silent
+        last: dict[int, float] = {}  # node -> the newest request of its agent or of any of its ranks
+        for node in self.membership.nodes.values():
+            if node.alive and node.confirmed and not node.exit_delivered and node.last_heard is not None:
+                last[node.node] = max(node.last_heard, self._listening_since)
+        beating: set[int] = set()  # nodes with a rank that beats: only they are judged here
+        for record in self.membership.ranks.values():
+            if record.node in last and record.exitcode is None and not record.done \
+                    and record.last_heartbeat is not None:
+                beating.add(record.node)
+                last[record.node] = max(last[record.node], record.last_heartbeat)
+        frozen = {node: now - last[node] for node in beating if now - last[node] > limit}
+        if not frozen or all(now - heard > limit for node, heard in last.items() if node not in frozen):
+            return {}  # nobody else heard either: the controller's own network, not one host
+        return {node: f"neither its agent nor its ranks were heard from for {seconds:.1f} s while other "
+                      f"nodes were (limit {limit:.1f} s): the host is frozen or cut off"
+                for node, seconds in sorted(frozen.items())}
 
     def _ranks_silent_with_their_agent(self, node: NodeRecord, now: float) -> list[int]:
         """The node's ranks that missed their heartbeats while its agent, too, is late to poll: a hung

@@ -144,6 +144,7 @@ class JobMachine:
         if node is None or not node.alive or not node.polled_by_owner(poll.pid, poll.hostname):
             return None
         node.last_seen = now
+        node.last_heard = now
         node.confirmed = True
         node.disconnected_since = None
         for raw in poll.workers:

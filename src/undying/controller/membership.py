@@ -31,6 +31,7 @@ class NodeRecord:
     confirmed: bool = True  # False: known only from a failed-over controller's saved state, not polled yet
     adopting: int | None = None  # the node whose place this spare was ordered to take
     disconnected_since: float | None = None  # its poll connection closed then, and it has not polled since
+    last_heard: float | None = None  # its newest request of any kind (poll, report, beat) arrived then
 
     def running_workers(self) -> list[WorkerStatus]:
         # A stopped (SIGSTOP) process is alive too: it holds its rank until its agent kills it.

@@ -35,12 +35,12 @@ import socket
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from undying.checkpoint.crc import crc32
 from undying.checkpoint.peer_slots import PeerSlots
 from undying.checkpoint.snapshot import RankSnapshots
 from undying.runtime.bounded_store import BoundedStore
@@ -247,7 +247,7 @@ class PeerCopy:
             for offset in range(0, len(data), CHUNK_BYTES):
                 with data[offset:offset + CHUNK_BYTES] as chunk:
                     connection.sendall(chunk)
-                    crc = zlib.crc32(chunk, crc)
+                    crc = crc32(chunk, crc)
             trailer = _CRC.pack(crc)
             connection.sendall(trailer + self._mac(header, meta, trailer))
             answer = _receive_exactly(connection, len(OK))
@@ -299,7 +299,7 @@ class PeerCopy:
                     if count == 0:
                         raise ConnectionError("the sender closed the connection mid-copy")
                     with part[:count] as received:
-                        crc = zlib.crc32(received, crc)
+                        crc = crc32(received, crc)
                 filled += count
             trailer = _receive_exactly(connection, _CRC.size + _MAC_BYTES)
             crc_bytes, mac = trailer[:_CRC.size], trailer[_CRC.size:]
