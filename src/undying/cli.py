@@ -7,6 +7,7 @@ Runs in the user's shell process. Every bad input ends in one line
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -209,7 +210,11 @@ def command_run(args: argparse.Namespace) -> int:
         node_rank=args.node_rank, controller_address=args.controller, controller_bind=args.controller_bind,
         token=read_token(args.token_file), injections_text=encode(injections), quiet=args.quiet,
         standby_agents=args.standby, etcd=args.etcd, job_name=args.job_name, lease_ttl=args.lease_ttl)
-    return launch(options)
+    code = launch(options)
+    # The interpreter's shutdown would otherwise spend a final GC over torch's object graph (the
+    # store imported it), at the end of every job; nothing left is garbage worth that.
+    gc.freeze()
+    return code
 
 
 def command_report(args: argparse.Namespace) -> int:

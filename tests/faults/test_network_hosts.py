@@ -32,10 +32,10 @@ pytestmark = [pytest.mark.faults,
               pytest.mark.skipif(unavailable_reason() is not None, reason=f"no separate hosts: {unavailable_reason()}")]
 
 CUT_AT_STEP = 5
-# A cut long enough that TCP must retransmit. TCP backs off between retries, so the job stalls
-# for about twice the cut (3.6 s seen here): heartbeat_timeout goes from 4 s to 8 s to keep the
-# stall below every detection (heartbeats, and the agent's polls at 2 x monitor_interval + 5 s).
-SHORT_CUT_S = 1.5
+# A cut long enough that TCP must retransmit, and short enough that with its backoff (200 ms, then
+# 400 ms) the stall stays below the silence a host is lost after (heartbeat_interval 0.5 s + 0.9 s
+# here); heartbeat_timeout goes from 4 s to 8 s so that no single rank's late beat acts either.
+SHORT_CUT_S = 0.5
 LONG_HEARTBEAT_TIMEOUT = ["--set", "heartbeat_timeout=8"]
 # Listens on every address of its host, answering each connection with "up".
 LISTENER = """

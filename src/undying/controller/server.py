@@ -47,6 +47,7 @@ from undying.protocol import (
 )
 
 MAX_BODY = 1 << 20
+SHUTDOWN_POLL_S = 0.05  # how soon ``ControllerServer.stop`` returns
 
 
 class PlanReplies:
@@ -87,7 +88,10 @@ class ControllerServer:
         self.httpd = _QuietServer((host, port), handler)
         self.host = host
         self.port: int = self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="controller-http", daemon=True)
+        # A short poll: ``stop`` waits for the loop's next look at its shutdown flag (0.5 s by default,
+        # paid at the end of every job); new connections wake it at once either way.
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_S},
+                                        name="controller-http", daemon=True)
 
     @property
     def address(self) -> str:
