@@ -103,7 +103,7 @@ class FaultDetector:
     def _silent_hosts(self, now: float) -> dict[int, str]:
         """Nodes whose agent and every rank with heartbeats went silent together for
         ``deadlines.host_silent`` (a heartbeat interval plus a slack) while some other node was
-        heard from: the host is frozen or cut off, node -> why. A live agent beats every heartbeat
+        heard from: the host is frozen or cut off, node -> why. A live agent beats twice per heartbeat
         interval on a connection of its own, whatever its poll and its orders are doing, and a
         stopped worker on a live host is its agent's to report; so one silence of all of them at
         once is the host's. Empty unless the watchdog acts on hangs; a node without a rank that beats
@@ -111,18 +111,18 @@ class FaultDetector:
         if self.watchdog != "on":
             return {}
         limit = self.deadlines.host_silent
-        last: dict[int, float] = {}  # node -> the newest request of its agent or of any of its ranks
-        for node in self.membership.nodes.values():
-            if node.alive and node.confirmed and not node.exit_delivered and node.last_heard is not None:
-                last[node.node] = max(node.last_heard, self._listening_since)
-        beating: set[int] = set()  # nodes with a rank that beats: only they are judged here
-        for record in self.membership.ranks.values():
-            if record.node in last and record.exitcode is None and not record.done \
-                    and record.last_heartbeat is not None:
-                beating.add(record.node)
-                last[record.node] = max(last[record.node], record.last_heartbeat)
-        frozen = {node: now - last[node] for node in beating if now - last[node] > limit}
-        if not frozen or all(now - heard > limit for node, heard in last.items() if node not in frozen):
+        # node -> the newest request of its agent, or of any of its ranks where the agent is silent
+        newest = {node.node: max(node.last_heard, self._listening_since) for node in self.membership.nodes.values()
+                  if node.alive and node.confirmed and not node.exit_delivered and node.last_heard is not None}
+        judged = []  # nodes whose agent is silent and that have a rank that beats: only they are judged
+        for node, heard in newest.items():
+            if now - heard > limit:  # a live agent beats twice per interval: steady state never gets here
+                beats = [beat for _, beat in self._beating_ranks(node)]
+                if beats:
+                    judged.append(node)
+                    newest[node] = max(heard, *beats)
+        frozen = {node: now - newest[node] for node in judged if now - newest[node] > limit}
+        if not frozen or all(now - heard > limit for node, heard in newest.items() if node not in frozen):
             return {}  # nobody else heard either: the controller's own network, not one host
         return {node: f"neither its agent nor its ranks were heard from for {seconds:.1f} s while other "
                       f"nodes were (limit {limit:.1f} s): the host is frozen or cut off"
@@ -134,12 +134,17 @@ class FaultDetector:
         host). Empty unless the watchdog acts on hangs."""
         if self.watchdog != "on" or not node.confirmed or now - node.last_seen <= self.deadlines.agent_quiet_after:
             return []
-        # The node's own ranks (the layout is fixed), not every rank of the job for each late node.
+        return sorted(record.rank for record, beat in self._beating_ranks(node.node)
+                      if now - beat > self.deadlines.heartbeat)
+
+    def _beating_ranks(self, node: int) -> list[tuple[RankRecord, float]]:
+        """The node's ranks whose process lives, has not finished and has sent a heartbeat (the ones
+        whose silence means something), each with its last heartbeat's time. Looked up by the node's
+        own ranks (the layout is fixed), not by a scan of every rank of the job for each late node."""
         ranks = self.membership.ranks
-        records = [ranks[rank] for rank in self.membership.ranks_of(node.node) if rank in ranks]
-        return sorted(record.rank for record in records
-                      if record.node == node.node and record.exitcode is None and not record.done
-                      and record.last_heartbeat is not None and now - record.last_heartbeat > self.deadlines.heartbeat)
+        records = [ranks[rank] for rank in self.membership.ranks_of(node) if rank in ranks]
+        return [(record, record.last_heartbeat) for record in records if record.node == node
+                and record.exitcode is None and not record.done and record.last_heartbeat is not None]
 
     def record_heartbeat(self, record: RankRecord, beat: Heartbeat, now: float) -> None:
         """A heartbeat of the rank's current process: its step, phase and liveness."""

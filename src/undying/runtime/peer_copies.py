@@ -9,7 +9,7 @@ reports the copies as events, and is told of every recovery and restore.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from undying import events as ev
@@ -128,7 +128,7 @@ class PeerCopies:
         state.load_replica_state(received["replica"])
         state.load_rank_state(received["rank"])
 
-    def send_copies(self, step: int, from_copies: dict[int, int]) -> None:
+    def send_copies(self, step: int, from_copies: Mapping[int, int]) -> None:
         """Of ``from_copies`` (group index -> its holder's), send this rank's node's copy of ``step`` to
         each rank whose holder this rank is."""
         index = self._membership.members.index(self._membership.rank)

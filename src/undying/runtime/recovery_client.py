@@ -225,7 +225,7 @@ class RecoveryClient:
         step, from_copies = decision.rollback_step, decision.from_copies or {}
         started = time.monotonic()
         index = membership.members.index(membership.rank)
-        self.checkpoints.peer.send_copies(step, dict(from_copies))
+        self.checkpoints.peer.send_copies(step, from_copies)
         if index in from_copies:
             self._receive_copy(plan, step, membership.members[from_copies[index]])
             return
