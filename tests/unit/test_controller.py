@@ -508,6 +508,31 @@ def test_a_killed_worker_is_recovered_in_place_and_only_it_restarts(make_job):
     assert job.controller.state is JobState.RUNNING
 
 
+def test_a_kill_right_after_the_start_is_recovered_in_place_once_every_rank_said_it_restored(make_job):
+    """A worker tells the controller it has restored (a beat of its own, answered) before its first
+    step; its heartbeat thread's older beat, still saying "starting", may arrive after that and must
+    not make it look as if it were restoring again: a peer killed a few steps into the run is then
+    recovered in place, not by a job restart. A rank that never said so still is restoring."""
+    job = make_job(**RECOVERY)
+    job.start_running()
+    for rank in range(job.spec.world_size):
+        job.beat(rank, 0, Phase.COMPUTING)  # restored
+        job.beat(rank, 0, Phase.STARTING)  # the heartbeat thread's beat, overtaken
+    report_exit(job, 3)
+    assert job.next_order(1, 1).kind == OrderKind.REPLACE
+    [decision] = job.events(ev.DECISION)
+    assert decision.details["strategy"] == "recover-in-place", decision.details["reason"]
+
+    late = make_job(**RECOVERY)
+    late.start_running()
+    for rank in range(late.spec.world_size):
+        late.beat(rank, 0, Phase.STARTING)
+    report_exit(late, 3)
+    assert late.next_order(1, 1).kind == OrderKind.STOP
+    [decision] = late.events(ev.DECISION)
+    assert "still restoring" in decision.details["reason"], decision.details
+
+
 def test_an_agent_whose_connection_closed_is_lost_within_a_second_and_blamed_before_a_survivor(make_job):
     """A real host's node dies (its `undying run` killed): its agent's poll connection closes. The
     survivors' failed all-reduce arrives first, but the decision waits for the node and is the

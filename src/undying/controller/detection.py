@@ -153,7 +153,10 @@ class FaultDetector:
             record.last_progress = now  # armed from a rank's first committed step on
         record.step = beat.step
         record.step_known = True
-        record.phase = beat.phase
+        if not (beat.phase == Phase.STARTING and record.phase != Phase.STARTING and beat.pid == record.pid):
+            # A process never returns to starting: such a beat was sent before the one that said it had
+            # restored (the heartbeat thread's, overtaken by the worker's own report).
+            record.phase = beat.phase
         record.pid = beat.pid
         if beat.phase == Phase.DONE and not record.done:
             record.done = True

@@ -262,8 +262,12 @@ class Runtime:
         self._register_loop_state()
         if self.joining:
             self._recover("joining as a replacement rank")
-        elif self.checkpoints.restore():
-            self._resumed_from = self.state.committed_step
+        else:
+            if self.checkpoints.restore():
+                self._resumed_from = self.state.committed_step
+            # Restored: a fault from now on finds this rank holding a step the job can recover from
+            # in place, and the controller must know that before this rank's first step.
+            self.reporter.report_now(self.state.committed_step, Phase.COMPUTING)
         self._mark_commit_boundary()
         step = self.state.committed_step
         first = True

@@ -88,6 +88,15 @@ class Reporter:
     def beat_now(self) -> None:
         self._wake.set()
 
+    def report_now(self, step: int, phase: str) -> None:
+        """Set ``step`` and ``phase`` and send them from the calling thread, answered before this
+        returns. Used once a worker has restored its state: the controller then knows it before
+        any step of the generation can commit (a commit needs every rank), where the heartbeat
+        thread's next beat may come after a fault has already been judged."""
+        self.update(step=step, phase=phase)
+        if self._client is not None:
+            self._beat(self._client)
+
     def _beat_forever(self) -> None:
         assert self._address is not None
         client = ControllerClient(self._address, self._token, timeout=max(2.0, self.interval * 3),
