@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ from undying.config import JobSpec
 from undying.runtime import default_group
 from undying.runtime.core import Runtime
 from undying.runtime.default_group import ALREADY_INITIALIZED, DefaultGroup
-from undying.runtime.pg import GenerationGroup
+from undying.runtime.pg import GenerationGroup, await_last_references
 from undying.worker_env import WorkerEnv
 
 CPU = torch.device("cpu")
@@ -130,3 +131,30 @@ def test_a_newer_runtime_in_the_same_process_replaces_the_default_group(tmp_path
     first = dist.group.WORLD
     Runtime(WorkerEnv(spec=JobSpec(), run_dir=tmp_path / "b"))
     assert dist.is_initialized() and dist.group.WORLD is not first
+
+
+def test_a_reaper_lets_a_dropped_group_go_once_it_holds_the_last_reference() -> None:
+    """A reaper waits while the training thread still holds the dropped group (an exception being
+    unwound) and lets it go as soon as it holds the only reference, not a fixed pause later, so that
+    peers blocked in the group's collectives fail at the drop. A reference never dropped is waited
+    for only up to the limit."""
+    group = dist.HashStore()  # any object the reaper is handed
+    training_thread = {"frames": group}
+    doomed: list[object] = [group]
+    del group
+    released = threading.Event()
+
+    def unwind() -> None:
+        training_thread.clear()
+        released.set()
+
+    threading.Timer(0.3, unwind).start()
+    started = time.monotonic()
+    await_last_references(doomed, limit=LONG_TIMEOUT_S)
+    assert released.is_set()
+    assert time.monotonic() - started < LONG_TIMEOUT_S / 2
+
+    kept = doomed[0]
+    started = time.monotonic()
+    await_last_references(doomed, limit=0.2)
+    assert time.monotonic() - started >= 0.2 and kept is doomed[0]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from collections.abc import Callable
 
 import torch
@@ -20,10 +19,10 @@ from torch.distributed import distributed_c10d
 
 from undying.runtime.pg import (
     ABORT_POLL_S,
-    REAP_DELAY_S,
     CollectiveError,
     GenerationGroup,
     abort_quietly,
+    await_last_references,
     start_reaper,
 )
 
@@ -157,7 +156,7 @@ def _forget_default_group() -> list[dist.ProcessGroup]:
 
 def _shut_down(groups: list[dist.ProcessGroup]) -> None:
     # Outlive any reference the training thread may still drop (an exception being unwound).
-    time.sleep(REAP_DELAY_S)
+    await_last_references(groups)
     for group in groups:
         try:
             group.shutdown()
