@@ -31,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+from runs import medians  # noqa: E402
 from undying import events as ev  # noqa: E402
 from undying.events import Event, read_events  # noqa: E402
 
@@ -84,13 +85,7 @@ def run_once(world: int) -> dict:
 
 def summarize(records: list[dict]) -> dict:
     keys = ("rebuild_median", "rebuild_max", "repair_median", "wait_for_plan_median", "mttr_seconds", "step_seconds")
-    summary: dict = {"runs": len(records), "failed": sum(r["exit_code"] != 0 for r in records)}
-    for key in keys:
-        values = [r[key] for r in records if key in r]
-        if values:
-            summary[key] = round(statistics.median(values), 4)
-            summary[key + "_all"] = values
-    return summary
+    return {"runs": len(records), "failed": sum(r["exit_code"] != 0 for r in records), **medians(records, keys, 4)}
 
 
 def markdown(results: dict[int, dict]) -> str:

@@ -15,19 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from pathlib import Path
 
 from recovery import PROCESS, measure_undying
 
+from runs import interleaved, medians
+
 
 def row(records: list[dict]) -> dict:
-    summary: dict = {"runs": len(records), "failed": sum(r["exit_code"] != 0 for r in records)}
-    for key in ("detect_seconds", "mttr_seconds", "steps_lost"):
-        values = [r[key] for r in records if key in r]
-        if values:
-            summary[key] = round(statistics.median(values), 3)
-            summary[key + "_all"] = values
+    summary: dict = {"runs": len(records), "failed": sum(r["exit_code"] != 0 for r in records),
+                     **medians(records, ("detect_seconds", "mttr_seconds", "steps_lost"))}
     summary["warm_replacements"] = sum(r.get("warm_replacements", 0) > 0 for r in records)
     return summary
 
@@ -38,13 +35,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    records: dict[int, list[dict]] = {step: [] for step in args.steps}
-    for repeat in range(args.repeats):
-        for step in args.steps:
-            record = measure_undying([*PROCESS, "--inject", f"kill:rank=1:step={step}"])
-            record["load_average"] = round(os.getloadavg()[0], 2)
-            records[step].append(record)
-            print(f"repeat {repeat + 1}/{args.repeats} step {step}: {json.dumps(record)[:300]}", flush=True)
+
+    def kill_at(step: int) -> dict:
+        record = measure_undying([*PROCESS, "--inject", f"kill:rank=1:step={step}"])
+        return {**record, "load_average": round(os.getloadavg()[0], 2)}
+
+    records = interleaved(args.repeats, args.steps, kill_at)
     results = {step: row(runs) for step, runs in records.items()}
     print("| kill at step | runs (failed) | replacement from a warm standby (runs) | detect s | MTTR s |")
     print("| --- | --- | --- | --- | --- |")

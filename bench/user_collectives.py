@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+from runs import interleaved, medians  # noqa: E402
 from undying import events as ev  # noqa: E402
 from undying.events import read_events  # noqa: E402
 
@@ -71,14 +71,8 @@ def measure(tree: Path) -> dict:
 
 
 def summary(records: list[dict]) -> dict:
-    row: dict = {"runs": len(records), "failed": sum(r["exit_code"] != 0 or r.get("restarted_job", False)
-                                                    for r in records)}
-    for key in KEYS:
-        values = [r[key] for r in records if key in r]
-        if values:
-            row[key] = round(statistics.median(values), 3)
-            row[key + "_all"] = values
-    return row
+    failed = sum(r["exit_code"] != 0 or r.get("restarted_job", False) for r in records)
+    return {"runs": len(records), "failed": failed, **medians(records, KEYS)}
 
 
 def main() -> None:
@@ -90,12 +84,7 @@ def main() -> None:
     trees = {"this tree": REPO}
     if args.baseline_tree is not None:
         trees = {"baseline": args.baseline_tree.resolve(), **trees}
-    records: dict[str, list[dict]] = {name: [] for name in trees}
-    for repeat in range(args.repeats):
-        for name, tree in trees.items():
-            record = measure(tree)
-            records[name].append(record)
-            print(f"repeat {repeat + 1}/{args.repeats} {name}: {json.dumps(record)}", flush=True)
+    records = interleaved(args.repeats, trees, lambda name: measure(trees[name]))
     results = {name: summary(runs) for name, runs in records.items()}
     print("| tree | runs (failed) | survivors left s | plan s | MTTR s |")
     print("| --- | --- | --- | --- | --- |")
