@@ -31,7 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from runs import medians  # noqa: E402
+from interleave import medians  # noqa: E402
+
 from undying import events as ev  # noqa: E402
 from undying.events import Event, read_events  # noqa: E402
 

@@ -17,9 +17,8 @@ import json
 import os
 from pathlib import Path
 
+from interleave import interleaved, medians
 from recovery import PROCESS, measure_undying
-
-from runs import interleaved, medians
 
 
 def row(records: list[dict]) -> dict:
