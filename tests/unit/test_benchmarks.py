@@ -1,5 +1,5 @@
 """The benchmarks still run against the current API: the checkpoint benchmark (a smoke run at 4M
-parameters), and the control-plane scale simulation (64 ranks)."""
+parameters), the control-plane scale simulation (64 ranks), and T1 per node (two ranks, small)."""
 
 from __future__ import annotations
 
@@ -37,3 +37,15 @@ def test_scale_benchmark_runs_and_steady_training_wakes_no_tick(tmp_path: Path) 
     assert steady["wakes_before_per_s"] > 64 and steady["news_ticks_per_s"] == 0
     assert steady["ticks_per_s"] > 0 and row["in_place"][0]["plan_reply_bytes"] < 1024
     assert "| 64 |" in done.stdout
+
+
+def test_t1_per_node_benchmark_reads_back_bitwise_and_halves_the_memory_of_two_ranks(tmp_path: Path) -> None:
+    """Two real processes of one node write their parts of the replica; each puts the node's snapshot
+    back together bitwise, and the node's slots hold the replica once, not once per rank."""
+    out = tmp_path / "t1.json"
+    done = subprocess.run([sys.executable, "bench/t1_per_node.py", "--ranks", "2", "--layers", "2", "--rounds", "3",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["per rank"]["bitwise_equal"] and rows["per node"]["bitwise_equal"]
+    assert rows["per node"]["node_bytes"] < 0.6 * rows["per rank"]["node_bytes"]

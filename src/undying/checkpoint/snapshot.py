@@ -68,14 +68,16 @@ class RankSnapshots:
     nor checksums of the tensor data (the copy is in memory and checksummed on the way to T2).
     """
 
-    def __init__(self, directory: Path | None, rank: int, slots: int = 2) -> None:
+    def __init__(self, directory: Path | None, rank: int, slots: int = 2, populate: bool = True) -> None:
         if slots < 2:
             raise ValueError(f"slots must be >= 2 (one may be torn while another is intact), got {slots}")
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.directory = directory
         self.rank = rank
-        self._slots = [Slot(None if directory is None else directory / f"rank{rank:05d}.slot{k}", k)
+        # ``populate=False``: another rank's slots opened to be read (the node's replica), whose pages
+        # are touched only where a read copies them.
+        self._slots = [Slot(None if directory is None else directory / f"rank{rank:05d}.slot{k}", k, populate)
                        for k in range(slots)]
         self._lock = threading.Lock()  # slot choice and pins: the training thread writes, the persister pins
         self._pins = [0] * slots

@@ -84,9 +84,10 @@ class Slot:
     check. Which slot a snapshot goes to, and who may read it, is RankSnapshots' (snapshot.py).
     """
 
-    def __init__(self, path: Path | None, index: int) -> None:
+    def __init__(self, path: Path | None, index: int, populate: bool = True) -> None:
         self.path = path
         self.index = index
+        self._populate = _POPULATE if populate else 0  # map every page at once (a writer), or on first touch
         self.size = 0
         self._mm: mmap.mmap | None = None
         self.layout: list[tuple[int, torch.dtype, tuple[int, ...]]] | None = None
@@ -109,13 +110,13 @@ class Slot:
 
     def _map(self, size: int) -> None:
         if self.path is None:
-            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | self._populate)
         else:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 # Allocated up front: a write into a hole of a full tmpfs is a SIGBUS, this is an error.
                 os.posix_fallocate(fd, 0, size)
-                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | self._populate)
             except OSError as error:
                 raise SnapshotUnavailable(f"{self.path}: cannot hold {size} bytes ({error})") from error
             finally:

@@ -46,7 +46,7 @@ class CheckpointSpec(BaseModel):
     T2 checkpoint steps; ``auto``: chosen as the job runs so that snapshots cost at most
     ``snapshot_budget`` of the training time, runtime/snapshot_cadence.py). ``snapshot_budget``:
     that fraction, in (0, 1) (default 0.02); read only with ``auto``. ``snapshot_slots``: T1 slots per rank, each the size of the rank's
-    state; with 2, while the persister holds one the other is rewritten each time (a torn write
+    snapshot (its part of a data-parallel replica kept once per node, checkpoint/node_replica.py); with 2, while the persister holds one the other is rewritten each time (a torn write
     falls back to the persisted step), with 3 a torn write falls back to the previous step.
     ``overlap``: ``on`` copies the parameters and optimizer state of a snapshot in the
     background, overlapping the next step's forward, backward and gradient sync (its optimizer

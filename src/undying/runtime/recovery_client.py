@@ -27,7 +27,7 @@ from undying.runtime.rng import restore_rng
 from undying.runtime.rng_mirror import MIRROR_TIMEOUT_S, RngMirror
 from undying.runtime.sharded import shard_donors
 from undying.runtime.state_transfer import recv_state, send_state
-from undying.runtime.t1_repair import T1Decision, T1Offer, decide, exchange_offers, held_steps, load_snapshot
+from undying.runtime.t1_repair import T1Decision, T1Offer, decide, exchange_offers
 from undying.runtime.training_state import TrainingState
 
 if TYPE_CHECKING:
@@ -187,13 +187,12 @@ class RecoveryClient:
         holds a complete one; then all exchange what they hold (one small all-reduce) and ``decide``
         alike who still receives from a peer. Raises ShardLost where nothing can repair a lost shard."""
         membership, state = self.membership, self.state
-        snapshots = self.checkpoints.snapshots
-        held = held_steps(snapshots, membership.replicas)
+        held = self.checkpoints.node_t1().held(membership.replicas)
         loaded, seconds, self._t1_error = False, 0.0, None
         if membership.rank in plan.receivers and plan.target_step in held:
             started = time.monotonic()
             try:
-                load_snapshot(snapshots, state, plan.target_step)
+                self.checkpoints.load_t1(plan.target_step)
                 loaded = True
             except Exception as error:  # whatever a snapshot that does not load raises: a peer can still send it
                 held.remove(plan.target_step)  # ... over whatever was loaded
@@ -209,7 +208,7 @@ class RecoveryClient:
                           holders=peer.holders())
         if loaded and decision.rollback_step is None:
             self.reporter.emit(ev.STATE_RECEIVED, step=plan.target_step, source=SOURCE_T1,
-                               path=str(snapshots.directory), seconds=seconds)
+                               path=str(self.checkpoints.directory), seconds=seconds)
             if mesh is not None:
                 self.reporter.emit(ev.SHARD_RECEIVED, step=plan.target_step, source=SOURCE_T1,
                                    shard=membership.rank % mesh.shard, seconds=seconds)
@@ -234,7 +233,7 @@ class RecoveryClient:
         else:
             if state.holds_state:
                 state.roll_back_step_in_flight()  # a GradScaler's memory of the failed step goes with it
-            load_snapshot(self.checkpoints.snapshots, state, step)  # the snapshot's RNG too
+            self.checkpoints.load_t1(step)  # the snapshot's RNG too
         self.checkpoints.snapshots.invalidate(keep_step=step)
         state.holds_state = True
         self.reporter.emit(ev.T1_ROLLBACK, step=step, target=plan.target_step, source=SOURCE_T1,

@@ -22,6 +22,7 @@ from undying.checkpoint import CommittedCheckpoint, Location, list_committed, lo
 from undying.checkpoint.copy import updated_only_by
 from undying.checkpoint.dcp_format import optimizer_param_names
 from undying.checkpoint.manifest import NUMERICS_KEY
+from undying.checkpoint.node_replica import PART, REPLICA, NodeReplica, replica_part
 from undying.checkpoint.persister import Persister, PersistResult
 from undying.checkpoint.snapshot import RankSnapshots, SnapshotUnavailable
 from undying.config import JobSpec
@@ -90,6 +91,8 @@ class CheckpointEngine:
                  injections: InjectionPoints, root: Location, job_id: str | None, token: str = "") -> None:
         self.spec = spec.checkpoint
         self._deterministic = spec.deterministic
+        self._nproc_per_node = spec.nproc_per_node
+        self._node_t1: NodeReplica | None = None
         self._numerics: dict[str, Any] | None = None
         self._records_timeout = max(RECORDS_TIMEOUT_MIN_S, 2 * spec.comm_timeout)
         # The restore at start is a start-up rendezvous: ranks may still be importing torch, and rank 0
@@ -160,13 +163,21 @@ class CheckpointEngine:
         self.peer.report(step)
         self._report_results()
 
-    def snapshot(self, step: int) -> bool:
+    def snapshot(self, step: int, whole: bool = False) -> bool:
         """Copy the committed state into T1; False if every other slot was pinned (skipped).
 
-        With ``checkpoint.overlap``, the parameters and optimizer state of the wrapped optimizers
-        are copied in the background (only their ``step()`` changes them, and it waits for the
-        copy: ``settle``); everything else (buffers, RNG, loaders, user state) is copied now."""
-        state = {"replica": self.state.replica_state(), "rank": self.state.rank_state()}
+        A data-parallel job with several ranks per node keeps the replica state once per node: this
+        rank copies its part of it (checkpoint/node_replica.py), or with ``whole`` all of it (the T2
+        writer, at a checkpoint step). With ``checkpoint.overlap``, the parameters and optimizer
+        state of the wrapped optimizers are copied in the background (only their ``step()`` changes
+        them, and it waits for the copy: ``settle``); everything else (buffers, RNG, loaders, user
+        state) is copied now."""
+        replica, local_ranks = self.state.replica_state(), self.node_t1().local_ranks
+        if len(local_ranks) == 1 or whole:
+            state = {REPLICA: replica, "rank": self.state.rank_state()}
+        else:
+            part = replica_part(replica, local_ranks.index(self.membership.rank), len(local_ranks))
+            state = {PART: part, "rank": self.state.rank_state()}
         defer = updated_only_by(self.state.optimizers) if self._overlapped() else None
         generation, replicas = self.membership.generation, self.membership.replicas
         try:
@@ -208,7 +219,8 @@ class CheckpointEngine:
         persister.flush()  # back-pressure: the previous checkpoint is still being written
         self.snapshots.wait_reserved()  # right after the first snapshots: a slot still being allocated
         self._waited[step] = time.perf_counter() - waited_started
-        if not self.snapshot(step):
+        # The writer of the shared shard persists from its own slot alone: the whole replica there.
+        if not self.snapshot(step, whole=self.membership.rank == self.membership.members[0]):
             raise RuntimeError(f"no free snapshot slot for checkpoint step {step}")  # nothing is pinned now
         self._stalls[step] = self._stall  # the training thread's part so far; settle adds its wait
         persister.submit(step, self.membership.generation, list(self.membership.members),
@@ -280,6 +292,25 @@ class CheckpointEngine:
             self._param_names = [optimizer_param_names(optimizer, modules) for optimizer in self.state.optimizers]
         return self._param_names
 
+    def node_t1(self) -> NodeReplica:
+        """This rank's reader of its node's T1: the node's local ranks when they keep a data-parallel
+        replica once per node (two or more per node, node shared memory, not sharded), else itself."""
+        count, rank = self._nproc_per_node, self.membership.rank
+        first = self.membership.node * count
+        shared = not self.state.sharded and self.directory is not None and count > 1 and first <= rank < first + count
+        ranks = range(first, first + count) if shared else [rank]
+        if self._node_t1 is None or self._node_t1.own is not self.snapshots or self._node_t1.local_ranks != list(ranks):
+            self._node_t1 = NodeReplica(self.directory, self.snapshots, ranks, self.spec.snapshot_slots)
+        return self._node_t1
+
+    def load_t1(self, step: int) -> None:
+        """Load the node's T1 snapshot of ``step`` into the training state: the replica part and this
+        rank's own (RNG, registered objects, a sharded job's shards), as a restart from T1 does."""
+        training = self.state
+        state = self.node_t1().read(step, live={REPLICA: training.replica_state(), "rank": training.rank_state()})
+        training.load_replica_state(state[REPLICA])
+        training.load_rank_state(state["rank"])
+
     def _fall_back_to_private_memory(self, error: BaseException) -> None:
         self.reporter.emit(ev.SNAPSHOT_UNAVAILABLE, reason=str(error), directory=str(self.directory))
         if self._persister is not None:
@@ -308,7 +339,7 @@ class CheckpointEngine:
         group = membership.current_group()
         # A snapshot records the replicas it was taken with: after a restart at a shrunk size only
         # those taken at that size count (the full-size ones predate the shrink).
-        held = [info.step for info in self.snapshots.committed() if info.world_size == membership.replicas]
+        held = self.node_t1().held(membership.replicas)
         holders = self.peer.holders()  # peer copies: a rank whose node was lost restores from its holder's
         copies = self.peer.steps_held(membership.replicas) if holders is not None else []
         report = {"held": held, "copies": copies, "numerics": self.numerics}
@@ -340,8 +371,8 @@ class CheckpointEngine:
             else:
                 # Into the live tensors where they exist (the model's parameters; optimizer state once
                 # it has stepped): a restore allocates only what the process does not hold yet.
-                state = self.snapshots.read(step, live={"replica": training.replica_state()})
-                training.load_replica_state(state["replica"])
+                state = self.node_t1().read(step, live={REPLICA: training.replica_state()})
+                training.load_replica_state(state[REPLICA])
                 training.load_rank_state(state["rank"])
             self.snapshots.invalidate(keep_step=step)
         elif source == SOURCE_STORAGE:

@@ -1,0 +1,154 @@
+"""The replica state of a data-parallel job kept once per node in T1: each local rank's snapshot holds
+its part, and a reader puts the node's parts back together.
+
+Runs in the worker: the training thread writes its part (``replica_part``, for runtime/snapshots.py),
+and a restart or a repair from node memory reads the node's snapshot of a step (``NodeReplica``).
+Data-parallel ranks hold the same model and optimizer state after every commit, so keeping it in
+every rank's slots multiplies host memory by the ranks per node; here the replica's tensors are
+dealt out to the node's local ranks (whole tensors, balanced by bytes, the same deal on every rank),
+and each rank copies only its part, beside its own state (RNG, registered objects). A snapshot of
+a step exists on the node when every local rank's slot holds its part of it, each behind its own
+commit word (checkpoint/snapshot_slot.py). The rank that writes a T2 checkpoint keeps the whole
+replica in its snapshot of that checkpoint's step (its persister reads nothing but its own slot).
+
+Not for sharded jobs (each rank's shard differs) nor without node shared memory.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from undying.checkpoint.snapshot import RankSnapshots
+from undying.checkpoint.state_tree import copy_into, flatten_state, unflatten_state
+
+PART = "replica_part"  # a snapshot's key for its part of the node's replica state
+REPLICA = "replica"  # ... for the whole replica state (every snapshot of a job that does not share it)
+
+
+def deal(sizes: Sequence[int], parts: int) -> list[int]:
+    """The part (0 .. parts-1) each of the tensors of ``sizes`` bytes goes to: largest first, each to
+    the part holding the fewest bytes so far (ties: the lower part). A pure function of its inputs,
+    so every rank of the node deals alike."""
+    load = [0] * parts
+    owners = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owner = min(range(parts), key=lambda part: (load[part], part))
+        owners[index] = owner
+        load[owner] += sizes[index]
+    return owners
+
+
+def replica_part(replica: Any, local_index: int, local_count: int) -> dict[str, Any]:
+    """Local rank ``local_index``'s part of ``replica``: the skeleton (small: everything but tensors;
+    pickled, so that the snapshot's own walk over its tree leaves its tensor references alone), how
+    many tensors the whole has, and the indices and tensors dealt to this rank."""
+    skeleton, tensors = flatten_state(replica)
+    owners = deal([tensor.numel() * tensor.element_size() for tensor in tensors], local_count)
+    mine = [index for index, owner in enumerate(owners) if owner == local_index]
+    return {"skeleton": pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), "count": len(tensors),
+            "index": mine, "tensors": [tensors[i] for i in mine]}
+
+
+class NodeReplica:
+    """Reads the node's snapshots as one rank's: its own slots and, opened for each call, the slots of
+    the node's other local ranks that share the replica (files in the same directory; none when
+    ``local_ranks`` is this rank alone, whose snapshots then hold the whole replica). Only while no
+    rank of the node writes a snapshot: at a restart (every process new) and in a recovery (every
+    survivor has settled its snapshots and waits for the plan)."""
+
+    def __init__(self, directory: Path | None, own: RankSnapshots, local_ranks: Sequence[int], slots: int) -> None:
+        self.directory = directory
+        self.own = own
+        self.local_ranks = list(local_ranks)
+        self.others = [rank for rank in self.local_ranks if rank != own.rank]
+        self.slots = slots
+
+    def held(self, replicas: int) -> list[int]:
+        """The steps, newest first, of which every local rank holds a complete snapshot taken with
+        ``replicas`` replicas (a snapshot of another size predates a shrink or a grow), and whose
+        parts fit together (the same tensor count, every tensor in some part)."""
+        steps = {info.step for info in self.own.committed() if info.world_size == replicas}
+        others = self._open_others()
+        try:
+            for snapshots in others:
+                steps &= {info.step for info in snapshots.committed() if info.world_size == replicas}
+            return sorted((step for step in steps if _parts_fit(step, [self.own, *others])), reverse=True)
+        finally:
+            for snapshots in others:
+                snapshots.close()
+
+    def read(self, step: int, live: dict[str, Any]) -> dict[str, Any]:
+        """The state of ``step`` as one rank's snapshot holds it (``replica`` and ``rank``): this rank's
+        own part, and the replica put together from the node's parts, copied into ``live``'s tensors
+        where they match (``copy_into``). KeyError if a local rank holds no complete part of it."""
+        own_slot = self.own.pin(step)
+        others = self._open_others()
+        pins: list[tuple[RankSnapshots, int]] = []
+        try:
+            state = self.own.read_slot(own_slot, clone=False)
+            replica = state.get(REPLICA)
+            if replica is None:
+                parts = [state[PART]]
+                for snapshots in others:
+                    pins.append((snapshots, snapshots.pin(step)))
+                    other = snapshots.read_slot(pins[-1][1], clone=False)
+                    if REPLICA in other:  # the T2 writer's snapshot of a checkpoint step: the whole of it
+                        parts = [_whole(other[REPLICA], state[PART]["skeleton"])]
+                        break
+                    parts.append(other[PART])
+                replica = _assemble(parts, step)
+            return copy_into({REPLICA: replica, "rank": state["rank"]}, live)
+        finally:
+            for snapshots, slot in pins:
+                snapshots.unpin(slot)
+            for snapshots in others:
+                snapshots.close()
+            self.own.unpin(own_slot)
+
+    def _open_others(self) -> list[RankSnapshots]:
+        return [RankSnapshots(self.directory, rank, self.slots, populate=False) for rank in self.others]
+
+
+def _parts_fit(step: int, ranks: list[RankSnapshots]) -> bool:
+    """Do the ranks' snapshots of ``step`` make one replica? (Only their skeletons are read.)"""
+    counts: set[int] = set()
+    covered: set[int] = set()
+    for snapshots in ranks:
+        slot = snapshots.pin(step)
+        try:
+            state = snapshots.read_slot(slot, clone=False)
+            if REPLICA in state:
+                return True
+            counts.add(state[PART]["count"])
+            covered.update(state[PART]["index"])
+            del state  # views into the slot
+        finally:
+            snapshots.unpin(slot)
+    return len(counts) == 1 and covered == set(range(counts.pop()))
+
+
+def _whole(replica: Any, skeleton: Any) -> dict[str, Any]:
+    """A whole replica as the one part that holds every tensor, under this rank's ``skeleton``."""
+    _, tensors = flatten_state(replica)
+    return {"skeleton": skeleton, "count": len(tensors), "index": list(range(len(tensors))), "tensors": tensors}
+
+
+def _assemble(parts: list[dict[str, Any]], step: int) -> Any:
+    """The replica from its parts, under the first part's skeleton (this rank's own values)."""
+    count = parts[0]["count"]
+    tensors: list[torch.Tensor | None] = [None] * count
+    for part in parts:
+        if part["count"] != count:
+            raise KeyError(f"the node's parts of step {step} hold {part['count']} and {count} tensors")
+        for index, tensor in zip(part["index"], part["tensors"], strict=True):
+            tensors[index] = tensor
+    missing = [index for index, tensor in enumerate(tensors) if tensor is None]
+    if missing:
+        raise KeyError(f"the node's parts of step {step} lack {len(missing)} of its {count} tensors")
+    skeleton = pickle.loads(parts[0]["skeleton"])  # noqa: S301 - this node's own shared memory, as every T1 read
+    return unflatten_state(skeleton, [tensor for tensor in tensors if tensor is not None])
