@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.unit.gloo_ranks import run_ranks
+from undying.checkpoint.node_replica import NodeReplica
 from undying.checkpoint.snapshot import RankSnapshots
 from undying.checkpoint.snapshot_slot import STATE_WRITING
 from undying.runtime.pg import GenerationGroup
@@ -21,7 +22,6 @@ from undying.runtime.t1_repair import (
     decode_offer,
     encode_offer,
     exchange_offers,
-    held_steps,
 )
 
 
@@ -115,6 +115,7 @@ def test_only_complete_snapshots_of_the_current_size_are_offered(tmp_path: Path)
     writer._slots[info.slot].set_state(STATE_WRITING)  # as a SIGKILL during the copy of step 15 leaves it
     writer.close()
     reopened = RankSnapshots(tmp_path, rank=1)
-    assert held_steps(reopened, replicas=4) == [14]
-    assert held_steps(reopened, replicas=2) == []
+    own = NodeReplica(tmp_path, reopened, [1], slots=2)  # a rank that keeps its snapshots whole
+    assert own.held(replicas=4) == [14]
+    assert own.held(replicas=2) == []
     reopened.close()

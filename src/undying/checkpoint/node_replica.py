@@ -73,6 +73,8 @@ class NodeReplica:
         ``replicas`` replicas (a snapshot of another size predates a shrink or a grow), and whose
         parts fit together (the same tensor count, every tensor in some part)."""
         steps = {info.step for info in self.own.committed() if info.world_size == replicas}
+        if not self.others:  # this rank's snapshots are whole: nothing to fit together
+            return sorted(steps, reverse=True)
         others = self._open_others()
         try:
             for snapshots in others:
@@ -87,12 +89,13 @@ class NodeReplica:
         own part, and the replica put together from the node's parts, copied into ``live``'s tensors
         where they match (``copy_into``). KeyError if a local rank holds no complete part of it."""
         own_slot = self.own.pin(step)
-        others = self._open_others()
+        others: list[RankSnapshots] = []
         pins: list[tuple[RankSnapshots, int]] = []
         try:
             state = self.own.read_slot(own_slot, clone=False)
             replica = state.get(REPLICA)
-            if replica is None:
+            if replica is None:  # a part: the other local ranks' parts are opened only now
+                others = self._open_others()
                 parts = [state[PART]]
                 for snapshots in others:
                     pins.append((snapshots, snapshots.pin(step)))
@@ -101,7 +104,10 @@ class NodeReplica:
                         parts = [_whole(other[REPLICA], state[PART]["skeleton"])]
                         break
                     parts.append(other[PART])
-                replica = _assemble(parts, step)
+                why_not = _why_parts_do_not_fit(parts)
+                if why_not is not None:
+                    raise KeyError(f"the node's parts of step {step} {why_not}")
+                replica = _assemble(parts)
             return copy_into({REPLICA: replica, "rank": state["rank"]}, live)
         finally:
             for snapshots, slot in pins:
@@ -116,20 +122,30 @@ class NodeReplica:
 
 def _parts_fit(step: int, ranks: list[RankSnapshots]) -> bool:
     """Do the ranks' snapshots of ``step`` make one replica? (Only their skeletons are read.)"""
-    counts: set[int] = set()
-    covered: set[int] = set()
+    parts = []
     for snapshots in ranks:
         slot = snapshots.pin(step)
         try:
             state = snapshots.read_slot(slot, clone=False)
             if REPLICA in state:
                 return True
-            counts.add(state[PART]["count"])
-            covered.update(state[PART]["index"])
+            parts.append({"count": state[PART]["count"], "index": state[PART]["index"]})
             del state  # views into the slot
         finally:
             snapshots.unpin(slot)
-    return len(counts) == 1 and covered == set(range(counts.pop()))
+    return _why_parts_do_not_fit(parts) is None
+
+
+def _why_parts_do_not_fit(parts: list[dict[str, Any]]) -> str | None:
+    """Why ``parts`` do not make one replica (their tensor counts differ, or a tensor is in none), or None."""
+    counts = {part["count"] for part in parts}
+    if len(counts) != 1:
+        return f"hold different tensor counts ({sorted(counts)})"
+    count = counts.pop()
+    covered = {index for part in parts for index in part["index"]}
+    if covered != set(range(count)):
+        return f"cover {len(covered & set(range(count)))} of its {count} tensors"
+    return None
 
 
 def _whole(replica: Any, skeleton: Any) -> dict[str, Any]:
@@ -138,17 +154,11 @@ def _whole(replica: Any, skeleton: Any) -> dict[str, Any]:
     return {"skeleton": skeleton, "count": len(tensors), "index": list(range(len(tensors))), "tensors": tensors}
 
 
-def _assemble(parts: list[dict[str, Any]], step: int) -> Any:
-    """The replica from its parts, under the first part's skeleton (this rank's own values)."""
-    count = parts[0]["count"]
-    tensors: list[torch.Tensor | None] = [None] * count
+def _assemble(parts: list[dict[str, Any]]) -> Any:
+    """The replica from parts that fit (``_why_parts_do_not_fit``), under the first part's skeleton
+    (this rank's own values)."""
+    tensors: dict[int, torch.Tensor] = {}
     for part in parts:
-        if part["count"] != count:
-            raise KeyError(f"the node's parts of step {step} hold {part['count']} and {count} tensors")
-        for index, tensor in zip(part["index"], part["tensors"], strict=True):
-            tensors[index] = tensor
-    missing = [index for index, tensor in enumerate(tensors) if tensor is None]
-    if missing:
-        raise KeyError(f"the node's parts of step {step} lack {len(missing)} of its {count} tensors")
+        tensors.update(zip(part["index"], part["tensors"], strict=True))
     skeleton = pickle.loads(parts[0]["skeleton"])  # noqa: S301 - this node's own shared memory, as every T1 read
-    return unflatten_state(skeleton, [tensor for tensor in tensors if tensor is not None])
+    return unflatten_state(skeleton, [tensors[index] for index in range(parts[0]["count"])])

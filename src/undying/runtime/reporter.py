@@ -92,8 +92,9 @@ class Reporter:
         """Set ``step`` and ``phase`` and send them from the calling thread, answered before this
         returns. Used once a worker has restored its state: the controller then knows it before
         any step of the generation can commit (a commit needs every rank), where the heartbeat
-        thread's next beat may come after a fault has already been judged."""
-        self.update(step=step, phase=phase)
+        thread's next beat may come after a fault has already been judged. The thread is not woken
+        for it (``update`` would): this beat carries the progress."""
+        self.step, self.phase = step, phase
         if self._client is not None:
             self._beat(self._client)
 

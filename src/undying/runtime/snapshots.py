@@ -371,9 +371,7 @@ class CheckpointEngine:
             else:
                 # Into the live tensors where they exist (the model's parameters; optimizer state once
                 # it has stepped): a restore allocates only what the process does not hold yet.
-                state = self.node_t1().read(step, live={REPLICA: training.replica_state()})
-                training.load_replica_state(state[REPLICA])
-                training.load_rank_state(state["rank"])
+                self.load_t1(step)
             self.snapshots.invalidate(keep_step=step)
         elif source == SOURCE_STORAGE:
             training.load_replica_state(broadcast_state(group, loaded, 0, membership.device,

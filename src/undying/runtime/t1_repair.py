@@ -17,10 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from undying.checkpoint.snapshot import RankSnapshots
 from undying.runtime.pg import GenerationGroup
 from undying.runtime.sharded import ShardLost
-from undying.runtime.training_state import TrainingState
 
 NO_STEP = -1  # an offer's field without a step, as it travels (steps are >= 0)
 COPY_COLUMNS = 2  # an offer's steps of peer copies (checkpoint/peer_slots.py: two slots per origin)
@@ -107,18 +105,3 @@ def exchange_offers(group: GenerationGroup, offer: T1Offer, slots: int, device: 
     table[group.rank] = torch.tensor(encode_offer(offer, slots), dtype=torch.int64, device=device) + 1
     group.allreduce_sum(table)
     return [decode_offer([value - 1 for value in row], slots) for row in table.cpu().tolist()]
-
-
-def held_steps(snapshots: RankSnapshots, replicas: int) -> list[int]:
-    """The steps of this rank's complete T1 snapshots taken with ``replicas`` replicas (a snapshot of
-    another size predates a shrink or a grow), newest first."""
-    return [info.step for info in snapshots.committed() if info.world_size == replicas]
-
-
-def load_snapshot(snapshots: RankSnapshots, state: TrainingState, step: int) -> None:
-    """Load this rank's T1 snapshot of ``step`` into ``state``: the replica part (models and optimizers
-    of a data-parallel job, loaders, registered objects) and the rank's own (RNG, registered objects,
-    a sharded job's shards), into the live tensors where they fit, as a restart from T1 does."""
-    snapshot = snapshots.read(step, live={"replica": state.replica_state(), "rank": state.rank_state()})
-    state.load_replica_state(snapshot["replica"])
-    state.load_rank_state(snapshot["rank"])
