@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -50,14 +50,15 @@ def missed_rng_reads(events: list) -> list:
     return [e for e in events if e.kind == ev.RNG_NOT_MIRRORED and "tried" in e.details]
 
 
-def start_node(run_dir: Path, etcd: str, job: str, node: int, mark: str, extra: list[str]) -> subprocess.Popen:
+def start_node(run_dir: Path, etcd: str, job: str, node: int, mark: str, extra: list[str],
+               script_args: Sequence[str] = ()) -> subprocess.Popen:
     token_file = run_dir / "token"
     token_file.write_text(TOKEN)
     env = dict(os.environ, **{MARK_ENV: mark, "PYTHONUNBUFFERED": "1"})
     command = undying_command(["run", *BASE_ARGS, "--run-dir", str(run_dir), "--node-rank", str(node),
                                "--etcd", etcd, "--job-name", job, "--lease-ttl", "2",
                                "--token-file", str(token_file), *extra, str(EXAMPLE), "--steps", str(STEPS),
-                               *SCRIPT_ARGS])
+                               *SCRIPT_ARGS, *script_args])
     log = open(run_dir / f"node{node}.out", "w")  # noqa: SIM115 - the child's
     # Its own session: killing the node's process group is the node dying (controller included).
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
@@ -66,19 +67,19 @@ def start_node(run_dir: Path, etcd: str, job: str, node: int, mark: str, extra: 
 
 def run_failover_job(run_dir: Path, etcd: EtcdServer, extra: list[str], spares: int = 1, timeout: float = 240,
                      during: Callable[[dict[int, subprocess.Popen]], None] | None = None,
-                     ) -> tuple[JobRun, dict[int, int]]:
+                     script_args: Sequence[str] = ()) -> tuple[JobRun, dict[int, int]]:
     """Node 0 first (it wins the election), then node 1 and the spares; ``during`` acts on the running
     job (given each node's ``undying run`` process); returns each node's exit code."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job, mark = f"test-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    processes = {0: start_node(run_dir, etcd.endpoint, job, 0, mark, extra)}
+    processes = {0: start_node(run_dir, etcd.endpoint, job, 0, mark, extra, script_args)}
     deadline = time.time() + 60
     while locate_controller(etcd.endpoint, job) is None:
         assert time.time() < deadline and processes[0].poll() is None, (run_dir / "node0.out").read_text()
         time.sleep(0.1)
     for node in (1, *range(2, 2 + spares)):
         processes[node] = start_node(run_dir, etcd.endpoint, job, node, mark,
-                                     ["--standby", "1"] * (node >= 2) + extra)
+                                     ["--standby", "1"] * (node >= 2) + extra, script_args)
     codes = {}
     try:
         if during is not None:
@@ -165,7 +166,10 @@ def test_a_frozen_controller_node_is_replaced_and_comes_back_as_a_spare(dropout_
         finally:
             os.killpg(processes[0].pid, signal.SIGCONT)
 
-    run, codes = run_failover_job(tmp_path, etcd_server, PROCESS_LEVEL, during=freeze_node0)
+    # Each step sleeps (numbers unchanged) so that the job still trains when the woken agent comes back
+    # as a spare: without it the steps left after the recovery took 0.35 s, and the job once ended first.
+    run, codes = run_failover_job(tmp_path, etcd_server, PROCESS_LEVEL, during=freeze_node0,
+                                  script_args=["--step-sleep", "0.15"])
     assert codes == {0: 0, 1: 0, 2: 0}, run.output + run.logs()
     assert run.result["final_step"] == STEPS
     assert run.result["param_sha256"] == dropout_reference.result["param_sha256"]
