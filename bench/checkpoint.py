@@ -136,16 +136,19 @@ def measure_copy(tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
 
 
 def measure_undying(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path, full: bool,
-                    repeats: int, persist_from: RankSnapshots | None = None) -> dict[str, Any]:
-    """Snapshot stalls and the T1 load on fresh slots; the T2 persist from ``persist_from`` when given: slots
-    that earlier rounds wrote already, as a running job's are (the first persist after fresh slots
-    were allocated ran up to 2x slower here, and a job persists from slots it has long used)."""
+                    repeats: int, persist_from: RankSnapshots | None = None, stalls: bool = True) -> dict[str, Any]:
+    """Snapshot stalls and the T1 load on fresh slots (unless not ``stalls``: a later round, which
+    would only churn 4.5 GiB of fresh memory again); the T2 persist from ``persist_from`` when given:
+    slots that earlier rounds wrote already, as a running job's are (the first persist after fresh
+    slots were allocated ran up to 2x slower here, and a job persists from slots it has long used)."""
     shm_dir = Path(os.environ.get("UNDYING_SHM_DIR", "/dev/shm")) / f"undying-bench-{os.getpid()}" / "node0"
     snapshots = RankSnapshots(shm_dir, rank=0, slots=2)
     state = {"replica": replica_state(model, optimizer), "rank": {"rng": {"torch": torch.get_rng_state()},
                                                                   "statefuls": {}}}
     result: dict[str, Any] = {}
     try:
+        if not stalls and persist_from is not None:  # a later round: the persist and the T2 load only
+            return persist_and_load(model, optimizer, work, persist_from, state, result)
         with PeakRss() as memory:
             first = timed(lambda: snapshots.write(state, step=1, generation=1, world_size=1))
             reserve = timed(snapshots.wait_reserved)  # the other slot, grown in the background
@@ -164,40 +167,46 @@ def measure_undying(model: torch.nn.Module, optimizer: torch.optim.Optimizer, wo
         del read
         if not full:
             return result
-        root = work / "undying"
-        source = snapshots
-        if persist_from is not None:
-            step = max((info.step for info in persist_from.committed()), default=0) + 1
-            persist_from.write(state, step=step, generation=1, world_size=1)
-            source = persist_from
-            settle_page_cache()
-        idle = gil_waits(lambda: True, at_least=0.5)
-        persister = Persister(snapshots=source, root=root, rank=0,
-                              store=torch.distributed.HashStore(), key_prefix="bench", keep=1,
-                              param_names=[optimizer_param_names(optimizer, [model])], rank_file="rank_00000.pt",
-                              records_timeout=600, current_generation=lambda: 1)
-        started = time.perf_counter()
-        submitted = persister.submit(step, 1, [0])
-        busy = gil_waits(lambda: persister.flush(0))
-        result["persist_s"] = time.perf_counter() - started
-        result["submit_s"] = submitted
-        result["gil_wait_idle"], result["gil_wait_persisting"] = idle, busy
-        persister.close()
-        [outcome] = persister.results()
-        assert outcome.committed, outcome
-        result["checkpoint_bytes"] = outcome.nbytes
-        started = time.perf_counter()
-        checkpoint = latest_verified(root)
-        loaded = read_shared_shard(checkpoint, verified=True)
-        model.load_state_dict(loaded["models"][0])
-        optimizer.load_state_dict(loaded["optimizers"][0])
-        result["load_t2_s"] = time.perf_counter() - started
-        del loaded
-        shutil.rmtree(root, ignore_errors=True)  # the next round's (or size's) steps may be lower
-        return result
+        source = persist_from if persist_from is not None else snapshots
+        return persist_and_load(model, optimizer, work, source, state, result)
     finally:
         snapshots.close()
         shutil.rmtree(shm_dir.parent, ignore_errors=True)
+
+
+def persist_and_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path, source: RankSnapshots,
+                     state: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """T2 from a slot of ``source`` written now (the persister's wall and CPU seconds, the training
+    thread's GIL waits meanwhile), then the verified T2 load back into the model."""
+    root = work / "undying"
+    step = max((info.step for info in source.committed()), default=0) + 1
+    source.write(state, step=step, generation=1, world_size=1)
+    settle_page_cache()
+    idle = gil_waits(lambda: True, at_least=0.5)
+    persister = Persister(snapshots=source, root=root, rank=0,
+                          store=torch.distributed.HashStore(), key_prefix="bench", keep=1,
+                          param_names=[optimizer_param_names(optimizer, [model])], rank_file="rank_00000.pt",
+                          records_timeout=600, current_generation=lambda: 1)
+    started, cpu = time.perf_counter(), time.process_time()
+    submitted = persister.submit(step, 1, [0])
+    busy = gil_waits(lambda: persister.flush(0))
+    result["persist_s"] = time.perf_counter() - started
+    result["persist_cpu_s"] = time.process_time() - cpu
+    result["submit_s"] = submitted
+    result["gil_wait_idle"], result["gil_wait_persisting"] = idle, busy
+    persister.close()
+    [outcome] = persister.results()
+    assert outcome.committed, outcome
+    result["checkpoint_bytes"] = outcome.nbytes
+    started = time.perf_counter()
+    checkpoint = latest_verified(root)
+    loaded = read_shared_shard(checkpoint, verified=True)
+    model.load_state_dict(loaded["models"][0])
+    optimizer.load_state_dict(loaded["optimizers"][0])
+    result["load_t2_s"] = time.perf_counter() - started
+    del loaded
+    shutil.rmtree(root, ignore_errors=True)  # the next round's (or size's) steps may be lower
+    return result
 
 
 def measure_in_loop(layers: int, batch: int, rounds: int) -> dict[str, Any]:
@@ -271,6 +280,7 @@ def measure_in_loop(layers: int, batch: int, rounds: int) -> dict[str, Any]:
 
 def measure_torch_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path) -> dict[str, Any]:
     path = work / "torch_save.pt"
+    cpu = time.process_time()
     with PeakRss() as memory:
         stall = timed(lambda: torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path))
 
@@ -279,6 +289,7 @@ def measure_torch_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             os.fsync(handle.fileno())
 
     durable = stall + timed(sync)
+    cpu = time.process_time() - cpu
     started = time.perf_counter()
     loaded = torch.load(path, weights_only=True)
     model.load_state_dict(loaded["model"])
@@ -286,7 +297,23 @@ def measure_torch_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     load = time.perf_counter() - started
     del loaded
     path.unlink()
-    return {"stall_s": stall, "persist_s": durable, "load_s": load, "rss_delta_bytes": memory.extra}
+    return {"stall_s": stall, "persist_s": durable, "persist_cpu_s": cpu, "load_s": load,
+            "rss_delta_bytes": memory.extra}
+
+
+def measure_write(tensors: list[torch.Tensor], work: Path) -> dict[str, Any]:
+    """The disk's own speed for the same bytes: every tensor's bytes written in turn into one file by
+    one thread, then fsynced; no format, no checksum (what no checkpoint method can beat)."""
+    path = work / "raw.bin"
+    started, cpu = time.perf_counter(), time.process_time()
+    with open(path, "wb") as handle:
+        for tensor in tensors:
+            handle.write(memoryview(tensor.detach().cpu().contiguous().numpy()).cast("B"))
+        handle.flush()
+        os.fsync(handle.fileno())
+    result = {"persist_s": time.perf_counter() - started, "persist_cpu_s": time.process_time() - cpu}
+    path.unlink()
+    return result
 
 
 def measure_async_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path) -> dict[str, Any]:
@@ -294,14 +321,15 @@ def measure_async_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     idle = gil_waits(lambda: True, at_least=0.5)
     with PeakRss() as memory:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         future = dcp.async_save(state, checkpoint_id=str(directory), no_dist=True)
         stall = time.perf_counter() - started
         busy = gil_waits(future.done)
         future.result()
         persist = time.perf_counter() - started
+        cpu = time.process_time() - cpu
     shutil.rmtree(directory, ignore_errors=True)
-    return {"stall_s": stall, "persist_s": persist, "rss_delta_bytes": memory.extra,
+    return {"stall_s": stall, "persist_s": persist, "persist_cpu_s": cpu, "rss_delta_bytes": memory.extra,
             "gil_wait_idle": idle, "gil_wait_persisting": busy}
 
 
@@ -317,7 +345,7 @@ def medians(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The first round's result, its persist and load times replaced by the median over all rounds
     (each round's value kept beside it, as ``<key>_runs``)."""
     merged = dict(results[0])
-    for key in ("persist_s", "load_t2_s", "load_s"):
+    for key in ("persist_s", "persist_cpu_s", "load_t2_s", "load_s"):
         values = [result[key] for result in results if key in result]
         if values:
             merged[key] = statistics.median(values)
@@ -338,7 +366,7 @@ def run_size(name: str, work: Path, repeats: int, loop_rounds: int, rounds: int 
     print(f"  copy_ {row['copy']['stall_s']:.3f} s", flush=True)
     # Each round runs every method once, in turn, so that the machine's drift (other processes, the
     # disk's cache) hits each alike; the row holds each timing's median and every round's value.
-    runs: dict[str, list[dict[str, Any]]] = {"undying": [], "torch_save": [], "async_save": []}
+    runs: dict[str, list[dict[str, Any]]] = {"undying": [], "torch_save": [], "async_save": [], "write": []}
     steady_dir = Path(os.environ.get("UNDYING_SHM_DIR", "/dev/shm")) / f"undying-bench-steady-{os.getpid()}" / "node0"
     steady = RankSnapshots(steady_dir, rank=0, slots=2) if full else None
     if steady is not None:  # both slots allocated and written once before the first round
@@ -347,9 +375,10 @@ def run_size(name: str, work: Path, repeats: int, loop_rounds: int, rounds: int 
         for warm_step in (1, 2):
             steady.write(warm, step=warm_step, generation=1, world_size=1)
             steady.wait_reserved()
-    for _ in range(rounds):
+    for round_index in range(rounds):
         settle_page_cache()
-        runs["undying"].append(measure_undying(model, optimizer, work, full, repeats, steady))
+        runs["undying"].append(measure_undying(model, optimizer, work, full, repeats, steady,
+                                               stalls=round_index == 0))
         print(f"  undying {runs['undying'][-1]}", flush=True)
         settle_page_cache()
         runs["torch_save"].append(measure_torch_save(model, optimizer, work))
@@ -358,6 +387,9 @@ def run_size(name: str, work: Path, repeats: int, loop_rounds: int, rounds: int 
             settle_page_cache()
             runs["async_save"].append(measure_async_save(model, optimizer, work))
             print(f"  async_save {runs['async_save'][-1]}", flush=True)
+            settle_page_cache()
+            runs["write"].append(measure_write(tensors, work))
+            print(f"  write+fsync {runs['write'][-1]}", flush=True)
     if steady is not None:
         steady.close()
         shutil.rmtree(steady_dir.parent, ignore_errors=True)
@@ -379,12 +411,13 @@ def table(rows: list[dict[str, Any]]) -> str:
         return "-" if value is None else f"{value / 2**30:.2f}"
 
     lines = ["| model | state GiB | copy_ s | undying stall s (x copy) | torch.save stall s | async_save stall s "
-             "| persist s: undying / torch.save+fsync / async_save | load s: T1 / T2 / torch.load "
+             "| persist s: undying / torch.save+fsync / async_save / write+fsync "
+             "| persist CPU s: undying / torch.save+fsync / async_save / write+fsync | load s: T1 / T2 / torch.load "
              "| extra memory GiB: undying (T1 slots) / torch.save / async_save "
              "| training thread's GIL wait while persisting, max (p99) ms: undying / async_save |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
-        u, t, a = row["undying"], row["torch_save"], row.get("async_save", {})
+        u, t, a, w = row["undying"], row["torch_save"], row.get("async_save", {}), row.get("write", {})
         label = f"{row['size']} ({row['parameters'] / 1e6:.0f}M{' + AdamW' if row['adamw'] else ', no optimizer state'})"
         ratio = u["stall_s"] / row["copy"]["stall_s"]
         def wait(result: dict[str, Any]) -> str:
@@ -394,7 +427,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {label} | {row['state_bytes'] / 2**30:.2f} | {s(row['copy']['stall_s'])} | {s(u['stall_s'])} "
             f"({ratio:.2f}x) | {s(t['stall_s'])} | {s(a.get('stall_s'))} "
-            f"| {s(u.get('persist_s'))} / {s(t['persist_s'])} / {s(a.get('persist_s'))} "
+            f"| {s(u.get('persist_s'))} / {s(t['persist_s'])} / {s(a.get('persist_s'))} / {s(w.get('persist_s'))} "
+            f"| {s(u.get('persist_cpu_s'))} / {s(t['persist_cpu_s'])} / {s(a.get('persist_cpu_s'))} "
+            f"/ {s(w.get('persist_cpu_s'))} "
             f"| {s(u['load_t1_s'])} / {s(u.get('load_t2_s'))} / {s(t['load_s'])} "
             f"| {gib(u['extra_memory_bytes'])} / {gib(t['rss_delta_bytes'])} / {gib(a.get('rss_delta_bytes'))} "
             f"| {wait(u)} / {wait(a)} |")

@@ -95,6 +95,47 @@ def test_records_are_the_written_bytes_and_nothing_is_read_back(
     assert read_shared_shard(checkpoint)["loaders"][0]["position"] == 5
 
 
+def record_crcs(data: bytes) -> list[int]:
+    """The CRC-32 of each record of the ``torch.save`` archives in ``data``, from the archives' central
+    directories (0: left out)."""
+    crcs, at = [], 0
+    while (at := data.find(b"PK\x01\x02", at)) >= 0:
+        crcs.append(int.from_bytes(data[at + 16:at + 20], "little"))
+        at += 4
+    return crcs
+
+
+def test_torch_leaves_out_its_record_crcs_only_inside_a_checksummed_stream(tmp_path: Path, two_files: None) -> None:
+    """T2's data files carry one CRC-32 each (the manifest's): ``torch.save`` computes none of its own
+    for the records it writes into them, while a save on another thread at the same time, and any
+    save afterwards, keeps its records' CRCs; the process-wide option is never switched."""
+    plain = tmp_path / "plain.pt"
+    saving = threading.Event()
+    inside: list[bool] = []
+    real_write = dcp_writer._ChecksummingStream.write
+
+    def write_and_save_beside(self: object, data: object) -> int:
+        if not saving.is_set():  # a training thread's torch.save while the shard is being written
+            saving.set()
+            other = threading.Thread(target=torch.save, args=(torch.arange(100.0), plain))
+            other.start()
+            other.join()
+            inside.append(torch.serialization.get_crc32_options())
+        return real_write(self, data)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dcp_writer._ChecksummingStream, "write", write_and_save_beside)
+        _, path = write(tmp_path / "ckpt", step=4)
+    assert isinstance(path, Path)
+    assert inside == [False]  # the writing thread saw its own answer ...
+    assert torch.serialization.get_crc32_options()  # ... and nobody else did
+    assert all(record_crcs(plain.read_bytes()))  # the other thread's records kept theirs
+    data = b"".join((path / name).read_bytes() for name in ("__0_0.distcp", "__0_1.distcp"))
+    assert record_crcs(data) and not any(record_crcs(data))
+    torch.save(torch.arange(100.0), tmp_path / "after.pt")
+    assert all(record_crcs((tmp_path / "after.pt").read_bytes()))
+
+
 def test_a_flipped_byte_in_the_second_data_file_is_caught_before_load(tmp_path: Path, two_files: None) -> None:
     write(tmp_path, step=2)
     _, path = write(tmp_path, step=4)

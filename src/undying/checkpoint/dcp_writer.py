@@ -5,7 +5,9 @@ job's part, checkpoint/dcp_sharded.py) and the dying-checkpoint writer. DCP's ow
 files (one per writer thread, each tensor a ``torch.save`` record, the ``.metadata`` pickle), so
 plain ``torch.distributed.checkpoint.load`` reads them; this module only puts a filesystem in front of
 it whose write streams feed every byte to ``zlib.crc32`` as it passes, which gives the manifest's
-size and CRC-32 of each file without a second pass over it.
+size and CRC-32 of each file without a second pass over it. While a thread writes into such a
+stream, ``torch.save`` on that thread leaves out its own CRC-32 of each record: the file's checksum
+covers those bytes already, and a load verifies it before ``torch.load`` sees them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ WRITE_THREADS = 2
 PARALLEL_WRITE_BYTES = 256 << 20  # below this a second file costs more than it saves
 WRITEBACK_BYTES = 64 << 20  # how much a file may hold dirty before its writeback is started
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range, do not wait for it
+_writing = threading.local()  # .streams: checksummed streams this thread has open for writing
 
 
 class _ChecksummingStream(io.RawIOBase):
@@ -110,6 +113,7 @@ class ChecksummingFileSystem:
             return
         if mode != "wb":  # appending or updating would start the checksum mid-file
             raise ValueError(f"checksummed DCP stream mode must be 'rb' or 'wb', got {mode!r}")
+        _writing.streams = getattr(_writing, "streams", 0) + 1
         try:
             with self._inner.create_stream(path, mode) as raw:
                 stream = _ChecksummingStream(raw, self._kick)
@@ -118,6 +122,8 @@ class ChecksummingFileSystem:
             with self._lock:
                 self.failed.append(f"{_name(path)}: {error!r}")
             raise
+        finally:
+            _writing.streams -= 1
         with self._lock:
             self._written[_name(path)] = (stream.size, stream.crc)
 
@@ -162,6 +168,7 @@ def checksummed_writer(staging: Location, thread_count: int = 1,
     else:
         writer = FileSystemWriter(staging, sync_files=True, single_file_per_rank=True, thread_count=thread_count)
     files = ChecksummingFileSystem(writer.fs, writeback and not is_url(staging))
+    _leave_out_record_crcs_in_checksummed_streams()
     # Duck-typed: a FileSystemBase subclass would import DCP with this module, at every worker's start.
     writer.fs = files  # type: ignore[assignment]
     return writer, files
@@ -189,6 +196,29 @@ def records_of(staging: Location, files: ChecksummingFileSystem, names: list[str
         written = files.written(name)
         records.append(record_file(staging, name) if written is None else record_written(staging, name, *written))
     return records
+
+
+def _leave_out_record_crcs_in_checksummed_streams() -> None:
+    """Make ``torch.save`` skip its per-record CRC-32 on a thread that is writing a checksummed stream.
+
+    ``torch.save`` checksums every record it writes (in software, about 0.3 s of CPU per GB, holding
+    the GIL); DCP calls it once per tensor. ``torch.serialization.set_crc32_options`` would switch
+    that off for the whole process, the training script's own saves included, so instead the getter
+    it reads when it opens an archive is wrapped: it answers False on a thread with a checksummed
+    stream open, and asks the original everywhere else. ``torch.load`` reads records either way.
+    Where torch has no such getter, nothing changes (each record keeps its CRC).
+    """
+    import torch.serialization as serialization
+
+    original = getattr(serialization, "get_crc32_options", None)
+    if original is None or getattr(original, "undying_wrapped", False):
+        return
+
+    def get_crc32_options() -> bool:
+        return False if getattr(_writing, "streams", 0) else bool(original())
+
+    get_crc32_options.undying_wrapped = True  # type: ignore[attr-defined]
+    serialization.get_crc32_options = get_crc32_options
 
 
 def _name(path: str | os.PathLike[str]) -> str:
