@@ -201,8 +201,8 @@ def records_of(staging: Location, files: ChecksummingFileSystem, names: list[str
 def _leave_out_record_crcs_in_checksummed_streams() -> None:
     """Make ``torch.save`` skip its per-record CRC-32 on a thread that is writing a checksummed stream.
 
-    ``torch.save`` checksums every record it writes (in software, about 0.3 s of CPU per GB, holding
-    the GIL); DCP calls it once per tensor. ``torch.serialization.set_crc32_options`` would switch
+    ``torch.save`` checksums every record it writes (in software, about 0.3 s of CPU per GB); DCP
+    calls it once per tensor. ``torch.serialization.set_crc32_options`` would switch
     that off for the whole process, the training script's own saves included, so instead the getter
     it reads when it opens an archive is wrapped: it answers False on a thread with a checksummed
     stream open, and asks the original everywhere else. ``torch.load`` reads records either way.
