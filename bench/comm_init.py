@@ -12,12 +12,12 @@ the recovery is the regroup and the roll-back), and reads from the event log:
 - ``MTTR``: from the exception to the last rank's first step of the new generation.
 
 All ranks share this machine's cores (2 here), so a larger world also means slower ranks; the
-step time of the fault-free stretch is reported beside it for that reason. ``--connect`` runs each
-world size with gloo connecting lazily (each pair at its first use: the worker's default) and
-eagerly (every pair as a group is built: ``TORCH_GLOO_LAZY_INIT=0`` in the job's environment),
-interleaved.
+step time of the fault-free stretch is reported beside it for that reason. ``--connect eager lazy``
+runs each world size with gloo connecting every pair as a group is built (``eager``, undying's
+way) and each pair at its first use (``lazy``: ``TORCH_GLOO_LAZY_INIT=1`` in the job's
+environment, a study: see docs/benchmarks.md on why undying does not ship it), interleaved.
 
-    python bench/comm_init.py --worlds 4 8 16 --repeats 2 --connect lazy eager --out bench/results/comm_init.json
+    python bench/comm_init.py --worlds 4 8 16 --repeats 2 --out bench/results/comm_init.json
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--connect", nargs="+", default=["lazy"], choices=["lazy", "eager"])
+    parser.add_argument("--connect", nargs="+", default=["eager"], choices=["eager", "lazy"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if any(world < 2 or world % 2 for world in args.worlds):

@@ -1,26 +1,15 @@
-"""How a gloo worker connects (runtime/gloo_interface.py): the interface it is pointed at is the one
-holding this host's address towards the job's store, never over a user's own choice, never for
-loopback or nccl, and one stderr line says when it cannot be found; its groups connect lazily
-unless the user said otherwise, and a lazily connected training group is still built only once
-every member has joined (runtime/pg.py)."""
+"""The interface a gloo worker is pointed at: the one holding this host's address towards the job's
+store, never over a user's own choice, never for loopback or nccl, and one stderr line when it
+cannot be found (runtime/gloo_interface.py)."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
-import threading
-import time
 
 import pytest
-import torch
 
-from undying.runtime.gloo_interface import (
-    GLOO_LAZY_INIT,
-    GLOO_SOCKET_IFNAME,
-    choose_gloo_interface,
-    connect_gloo_lazily,
-)
-from undying.runtime.pg import GenerationGroup
+from undying.runtime.gloo_interface import GLOO_SOCKET_IFNAME, choose_gloo_interface
 
 STORE_PORT = 29500  # never contacted: a UDP connect only picks a route
 
@@ -80,41 +69,3 @@ def test_a_store_that_cannot_be_placed_changes_nothing_and_says_so_once(capsys: 
     assert environ == {}
     [line] = capsys.readouterr().err.splitlines()
     assert "no-such-store.invalid" in line and GLOO_SOCKET_IFNAME in line
-
-
-def test_gloo_groups_connect_lazily_unless_the_user_chose_otherwise() -> None:
-    environ: dict[str, str] = {}
-    assert connect_gloo_lazily("gloo", environ) and environ == {GLOO_LAZY_INIT: "1"}
-    chosen = {GLOO_LAZY_INIT: "0"}
-    assert not connect_gloo_lazily("gloo", chosen) and chosen == {GLOO_LAZY_INIT: "0"}
-    untouched: dict[str, str] = {}
-    assert not connect_gloo_lazily("nccl", untouched) and untouched == {}
-
-
-def test_a_lazily_connected_group_is_built_only_once_every_member_joined(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lazy gloo constructor returns before any peer is reached: the group's build must not, or a
-    survivor would start its step while a replacement is still importing torch."""
-    monkeypatch.setenv(GLOO_LAZY_INIT, "1")
-    store = torch.distributed.HashStore()
-    late_s = 1.0
-    built_after: dict[int, float] = {}
-    sums: dict[int, float] = {}
-    started = time.monotonic()
-
-    def rank(index: int) -> None:
-        if index == 2:
-            time.sleep(late_s)  # the late joiner
-        group = GenerationGroup(store, "lazy", 1, index, 3, "gloo", 20.0, torch.device("cpu"))
-        built_after[index] = time.monotonic() - started
-        value = torch.full((4,), float(index + 1))
-        group.allreduce_sum(value)
-        sums[index] = value[0].item()
-
-    threads = [threading.Thread(target=rank, args=(index,)) for index in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(thread.is_alive() for thread in threads), "a rank hung"
-    assert min(built_after.values()) >= late_s, built_after
-    assert sums == {0: 6.0, 1: 6.0, 2: 6.0}

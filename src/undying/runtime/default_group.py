@@ -108,11 +108,9 @@ _installed: DefaultGroup | None = None  # the one torch holds now (one default g
 
 
 def _install(training: GenerationGroup) -> dist.ProcessGroup:
-    """``init_process_group`` over the generation's store, members and timeout. Under gloo's lazy
-    connections (runtime/gloo_interface.py) it returns at once and the script's first collective
-    connects the pairs it uses; connected eagerly it returns once every member has connected, or
-    raises after the group's timeout: all of them have just built the training group, so only a
-    member dying in between keeps the others waiting that long."""
+    """``init_process_group`` over the generation's store, members and timeout. It returns once every
+    member has connected, or raises after the group's timeout: all of them have just built the
+    training group, so only a member dying in between keeps the others waiting that long."""
     if dist.is_initialized():
         raise RuntimeError(ALREADY_INITIALIZED)
     # Imported first, while no default group exists: importing torch._dynamo (which the first

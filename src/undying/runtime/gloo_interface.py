@@ -1,6 +1,5 @@
-"""How gloo connects in this worker: through the interface by which this host reaches the job's
-store (``GLOO_SOCKET_IFNAME``), and on demand (``TORCH_GLOO_LAZY_INIT``), both set before the
-worker's first gloo group is built.
+"""The network interface gloo uses in this worker: the one through which this host reaches the
+job's store, set as ``GLOO_SOCKET_IFNAME`` before the worker's first gloo group is built.
 
 Runs in the worker (``Membership`` calls it once). Without it gloo advertises the address the
 hostname resolves to, which on many machines (an ``/etc/hosts`` line ``127.0.1.1 <hostname>``) is
@@ -18,7 +17,6 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"  # read by every gloo group as it is built
-GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # likewise: "1" connects each pair of ranks at its first use
 SIOCGIFADDR = 0x8915  # Linux <linux/sockios.h>: an interface's (primary) IPv4 address
 IPV6_ADDRESSES = Path("/proc/net/if_inet6")  # Linux: one line per IPv6 address, interface name last
 
@@ -49,22 +47,6 @@ def choose_gloo_interface(backend: str, store_address: tuple[str, int] | None,
         return None
     environ[GLOO_SOCKET_IFNAME] = interface
     return interface
-
-
-def connect_gloo_lazily(backend: str, environ: MutableMapping[str, str] = os.environ) -> bool:
-    """Have this worker's gloo groups connect each pair of ranks when a collective first uses it,
-    instead of every pair as the group is built; True if ``environ`` was changed.
-
-    Every recovery builds two groups (the training group and torch's default group): eagerly, each
-    rank connects to every other one, twice, which grows with the world size; an all-reduce's ring
-    uses two neighbours, and a script that never calls ``dist.all_reduce`` needs none of the default
-    group's. Guarantees: a ``TORCH_GLOO_LAZY_INIT`` of the user's (``0`` included) is never replaced;
-    nothing changes for nccl. The training group's build still returns only once every member has
-    joined (runtime/pg.py connects it with one small all-reduce)."""
-    if backend != "gloo" or GLOO_LAZY_INIT in environ:
-        return False
-    environ[GLOO_LAZY_INIT] = "1"
-    return True
 
 
 def local_address_towards(host: str, port: int) -> str:

@@ -16,7 +16,7 @@ from undying.config import JobSpec
 from undying.protocol import Plan
 from undying.runtime.bounded_store import BoundedStore, connect_bounded
 from undying.runtime.default_group import DefaultGroup
-from undying.runtime.gloo_interface import choose_gloo_interface, connect_gloo_lazily
+from undying.runtime.gloo_interface import choose_gloo_interface
 from undying.runtime.mesh import SwappableMesh
 from undying.runtime.pg import GenerationGroup, connect_store
 from undying.runtime.reporter import Reporter
@@ -40,7 +40,6 @@ class Membership:
         self._reporter = reporter
         self.store_address = env.store_address
         choose_gloo_interface(backend, self.store_address)  # before any group is built: gloo reads it then
-        connect_gloo_lazily(backend)
         self.store: dist.Store = (torch.distributed.HashStore() if self.store_address is None
                                   else connect_store(*self.store_address, self._spec.start_timeout))
         # The ranks of the current generation in process-group order: all of them, or the ones left

@@ -123,12 +123,7 @@ class GenerationGroup:
         # The backend object is used directly as the generation's group: it serves every call made on
         # it here (allreduce, broadcast, send, recv), though torch's stubs do not derive it from ProcessGroup.
         if backend == "gloo":
-            gloo = cast(dist.ProcessGroup, dist.ProcessGroupGloo(self.store, self.rank, self.world_size, timeout))
-            # Connected lazily (TORCH_GLOO_LAZY_INIT, runtime/gloo_interface.py), the constructor returns
-            # before any peer has joined; this all-reduce returns once every member has, as an eagerly
-            # connected group's constructor would, and connects the ring's neighbours on the way.
-            gloo.allreduce([torch.zeros(1)]).wait()
-            return gloo
+            return cast(dist.ProcessGroup, dist.ProcessGroupGloo(self.store, self.rank, self.world_size, timeout))
         if backend == "nccl":
             os.environ[NCCL_ASYNC_ERROR_HANDLING_ENV] = "0"
             options = dist.ProcessGroupNCCL.Options()
