@@ -136,19 +136,16 @@ def measure_copy(tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
 
 
 def measure_undying(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path, full: bool,
-                    repeats: int, persist_from: RankSnapshots | None = None, stalls: bool = True) -> dict[str, Any]:
-    """Snapshot stalls and the T1 load on fresh slots (unless not ``stalls``: a later round, which
-    would only churn 4.5 GiB of fresh memory again); the T2 persist from ``persist_from`` when given:
-    slots that earlier rounds wrote already, as a running job's are (the first persist after fresh
-    slots were allocated ran up to 2x slower here, and a job persists from slots it has long used)."""
+                    repeats: int, persist_from: RankSnapshots | None = None) -> dict[str, Any]:
+    """Snapshot stalls and the T1 load on fresh slots; the T2 persist from ``persist_from`` when given: slots
+    that earlier rounds wrote already, as a running job's are (the first persist after fresh slots
+    were allocated ran up to 2x slower here, and a job persists from slots it has long used)."""
     shm_dir = Path(os.environ.get("UNDYING_SHM_DIR", "/dev/shm")) / f"undying-bench-{os.getpid()}" / "node0"
     snapshots = RankSnapshots(shm_dir, rank=0, slots=2)
     state = {"replica": replica_state(model, optimizer), "rank": {"rng": {"torch": torch.get_rng_state()},
                                                                   "statefuls": {}}}
     result: dict[str, Any] = {}
     try:
-        if not stalls and persist_from is not None:  # a later round: the persist and the T2 load only
-            return persist_and_load(model, optimizer, work, persist_from, state, result)
         with PeakRss() as memory:
             first = timed(lambda: snapshots.write(state, step=1, generation=1, world_size=1))
             reserve = timed(snapshots.wait_reserved)  # the other slot, grown in the background
@@ -377,8 +374,10 @@ def run_size(name: str, work: Path, repeats: int, loop_rounds: int, rounds: int 
             steady.wait_reserved()
     for round_index in range(rounds):
         settle_page_cache()
-        runs["undying"].append(measure_undying(model, optimizer, work, full, repeats, steady,
-                                               stalls=round_index == 0))
+        if round_index and steady is not None:  # stalls measured once: later rounds persist and load only
+            runs["undying"].append(persist_and_load(model, optimizer, work, steady, warm, {}))
+        else:
+            runs["undying"].append(measure_undying(model, optimizer, work, full, repeats, steady))
         print(f"  undying {runs['undying'][-1]}", flush=True)
         settle_page_cache()
         runs["torch_save"].append(measure_torch_save(model, optimizer, work))

@@ -12,10 +12,7 @@ the recovery is the regroup and the roll-back), and reads from the event log:
 - ``MTTR``: from the exception to the last rank's first step of the new generation.
 
 All ranks share this machine's cores (2 here), so a larger world also means slower ranks; the
-step time of the fault-free stretch is reported beside it for that reason. ``--connect eager lazy``
-runs each world size with gloo connecting every pair as a group is built (``eager``, undying's
-way) and each pair at its first use (``lazy``: ``TORCH_GLOO_LAZY_INIT=1`` in the job's
-environment, a study: see docs/benchmarks.md on why undying does not ship it), interleaved.
+step time of the fault-free stretch is reported beside it for that reason.
 
     python bench/comm_init.py --worlds 4 8 16 --repeats 2 --out bench/results/comm_init.json
 """
@@ -53,7 +50,7 @@ def step_seconds(events: list[Event], before: float) -> float | None:
     return (beats[-1][1] - beats[0][1]) / (beats[-1][0] - beats[0][0])
 
 
-def run_once(world: int, connect: str) -> dict:
+def run_once(world: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="undying-comm-init-") as tmp:
         run_dir = Path(tmp) / "run"
         command = [sys.executable, "-m", "undying.cli", "run", "--nnodes", "2", "--nproc-per-node", str(world // 2),
@@ -62,11 +59,11 @@ def run_once(world: int, connect: str) -> dict:
                    "--inject", f"raise:rank=1:step={FAULT_STEP}", "--run-dir", str(run_dir),
                    str(REPO / "examples" / "gpt" / "train.py"), "--steps", str(STEPS),
                    "--n-layer", "2", "--n-embd", "48", "--n-head", "2", "--log-every", "1000"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_GLOO_LAZY_INIT="1" if connect == "lazy" else "0")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
         started = time.time()
         result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=RUN_TIMEOUT_S)
         events = read_events(run_dir) if (run_dir / ev.EVENTS_FILE).exists() else []
-        record: dict = {"world": world, "connect": connect, "exit_code": result.returncode, "wall_seconds": round(time.time() - started, 2)}
+        record: dict = {"world": world, "exit_code": result.returncode, "wall_seconds": round(time.time() - started, 2)}
         if result.returncode != 0:
             record["output_tail"] = result.stdout[-1500:] + result.stderr[-1500:]
         fault = next((e for e in events if e.kind == ev.INJECTION), None)
@@ -92,11 +89,11 @@ def summarize(records: list[dict]) -> dict:
     return {"runs": len(records), "failed": sum(r["exit_code"] != 0 for r in records), **medians(records, keys, 4)}
 
 
-def markdown(results: dict[tuple[int, str], dict]) -> str:
-    lines = ["| world | gloo connects | step s | rebuild s: median (max) | repair s | wait for plan s | MTTR s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for (world, connect), s in sorted(results.items()):
-        lines.append(f"| {world} | {connect} | {s.get('step_seconds', '-')} | {s.get('rebuild_median', '-')} "
+def markdown(results: dict[int, dict]) -> str:
+    lines = ["| world | step s | rebuild s: median (max) | repair s | wait for plan s | MTTR s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for world, s in sorted(results.items()):
+        lines.append(f"| {world} | {s.get('step_seconds', '-')} | {s.get('rebuild_median', '-')} "
                      f"({s.get('rebuild_max', '-')}) | {s.get('repair_median', '-')} | "
                      f"{s.get('wait_for_plan_median', '-')} | {s.get('mttr_seconds', '-')} |")
     return "\n".join(lines)
@@ -106,26 +103,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--connect", nargs="+", default=["eager"], choices=["eager", "lazy"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if any(world < 2 or world % 2 for world in args.worlds):
         parser.error("--worlds: each world size must be an even number >= 2 (two simulated nodes)")
-    cases = [(world, connect) for world in args.worlds for connect in args.connect]
-    records: dict[tuple[int, str], list[dict]] = {case: [] for case in cases}
+    records: dict[int, list[dict]] = {world: [] for world in args.worlds}
     for repeat in range(args.repeats):
-        for world, connect in cases:  # interleaved: a change in the machine's load falls on every case
-            record = run_once(world, connect)
+        for world in args.worlds:  # interleaved: a change in the machine's load falls on every size
+            record = run_once(world)
             record["load_average"] = round(os.getloadavg()[0], 2)
-            records[(world, connect)].append(record)
-            print(f"repeat {repeat + 1}/{args.repeats} world {world} {connect}: {json.dumps(record)[:400]}",
-                  flush=True)
-    results = {case: summarize(runs) for case, runs in records.items()}
+            records[world].append(record)
+            print(f"repeat {repeat + 1}/{args.repeats} world {world}: {json.dumps(record)[:400]}", flush=True)
+    results = {world: summarize(runs) for world, runs in records.items()}
     print(markdown(results))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"results": {f"{w} {c}": s for (w, c), s in results.items()},
-                                        "runs": {f"{w} {c}": r for (w, c), r in records.items()}}, indent=1))
+        args.out.write_text(json.dumps({"results": {str(w): s for w, s in results.items()},
+                                        "runs": {str(w): r for w, r in records.items()}}, indent=1))
 
 
 if __name__ == "__main__":
