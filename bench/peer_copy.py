@@ -76,8 +76,8 @@ def script_args(size: str) -> list[str]:
             "--mesh", "1x4", "--log-every", str(NO_T2)]
 
 
-def standbys_ready(run_dir: Path, nodes: int, per_node: int = 2) -> bool:
-    """Has every node's (and the spare's) pair of warm standbys finished its imports?"""
+def standbys_ready(run_dir: Path, nodes: int, per_node: int = 1) -> bool:
+    """Has every node's (and the spare's) warm standby finished its imports?"""
     for node in range(nodes):
         log = run_dir / "logs" / f"standby{node}.log"
         if not log.exists() or log.read_text(errors="replace").count("ready") < per_node:

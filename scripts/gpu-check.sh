@@ -15,9 +15,10 @@
 #                       (capturable: all on the GPU), and its next step equal to the source's
 #   bench-checkpoint    bench/checkpoint.py --device cuda at its smallest size (tiny)
 #   job-ref-1, job-ref-2, job-kill   1-rank CUDA jobs of examples/gpt (backend nccl, 30 steps): the two
-#                       fault-free runs, the run killed at step 15 (restored from T1, node memory) and
-#                       job-raise (an exception in step 15, retried in the same process) must end
-#                       with the same param_sha256
+#                       fault-free runs, the run killed at step 15 (restored from T1, node memory),
+#                       job-raise (an exception in step 15, retried in the same process) and
+#                       job-kill-forked (the kill with workers forked from the warm standby) must end
+#                       with the same param_sha256; forked-workers: the standby really forked them
 #   sharded-ref, sharded-kill  the example sharded with FSDP2 over ft.device_mesh (1 x 1, NCCL mesh
 #                       groups): fault-free and killed at step 15 must end with the same param_sha256
 # Results go to $OUT if set, else gpu-check-results/: one log per check, summary.txt, the bench JSON.
@@ -145,6 +146,14 @@ job job-ref-1
 job job-ref-2
 job job-kill --inject kill:rank=0:step=15
 job job-raise --set process_recover=true --recover-strategy retry,dump --inject raise:rank=0:step=15
+# The same kill with the worker forked from the agent's warm standby (the default outside this script):
+# forked before and after the fault, or the agent's reason for starting plain processes instead.
+job job-kill-forked --set warm_standby=true --inject kill:rank=0:step=15
+if grep -q "generation 2 (warm standby)" "$RESULTS/runs/job-kill-forked/logs/rank0.log" 2>/dev/null; then
+    record forked-workers PASS "rank 0 forked from the warm standby, before and after the kill"
+else
+    record forked-workers FAIL "$(grep -h 'warm standby' "$RESULTS/job-kill-forked.log" | tail -1)"
+fi
 if [ -f "$RESULTS/job-ref-1.sha" ] && [ -f "$RESULTS/job-ref-2.sha" ] && [ -f "$RESULTS/job-kill.sha" ] \
         && [ -f "$RESULTS/job-raise.sha" ]; then
     if [ "$(cat "$RESULTS"/job-*.sha | sort -u | wc -l)" = 1 ]; then

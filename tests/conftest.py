@@ -27,8 +27,8 @@ BASE_ARGS = ["--nnodes", "2", "--nproc-per-node", "2", "--monitor-interval", "0.
              "--checkpoint-interval", "10",
              "--set", "heartbeat_interval=0.5", "--set", "heartbeat_timeout=4",
              "--set", "node_return_timeout=60", "--set", "comm_timeout=20",
-             # A warm standby imports torch beside the starting workers; only the test of it needs one.
-             "--set", "warm_standby=false",
+             # Workers are forked from each node's warm standby (the default); the tests of plain
+             # `python` workers set warm_standby=false.
              # Every committed step's sample indices, per rank: exactly-once checks read them.
              "--set", "sample_log=true"]
 

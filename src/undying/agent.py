@@ -13,7 +13,6 @@ node's place; it then says hello as that node and serves its ranks.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -26,7 +25,7 @@ from pathlib import Path
 from undying.client import ControllerClient, ControllerUnreachable, Unauthorized, parse_address
 from undying.config import JobSpec, spec_from_json, spec_to_dict
 from undying.locate import locator_from_env
-from undying.procs import available_memory, die_with_parent, signal_name, stop_processes
+from undying.procs import WorkerProcess, available_memory, die_with_parent, signal_name, stop_processes
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
     ROUTE_AGENT_LEAVE,
@@ -44,14 +43,16 @@ from undying.protocol import (
 from undying.shm import claim_node_dir, remove_node_dir, remove_stale
 from undying.standby import can_serve
 from undying.stopped_workers import STOPPED_CHECK_EVERY, StoppedWorkers
+from undying.warm_standby import WarmStandby
 from undying.worker_env import ENV_INJECT, ENV_SPEC, ENV_TOKEN, WorkerEnv
 
 ENV_DIE_WITH_PARENT = "UNDYING_AGENT_DIE_WITH_PARENT"
-ENV_WARM = "UNDYING_WARM_STANDBY"  # "1" in a worker that started as a warm standby
-# Host memory a warm standby needs free before it is started (one is about 0.3 GB resident with
-# CPU torch; more with a GPU build): a node short of memory trains on without one.
+ENV_WARM = "UNDYING_WARM_STANDBY"  # "1" in a worker forked from the node's warm standby
+# Host memory the warm standby needs free before it is started (it is about 0.3 GB resident with
+# CPU torch; more with a GPU build): a node short of memory starts plain ``python`` workers.
 STANDBY_MIN_AVAILABLE = 1 << 30
 STANDBY_MEMORY_RECHECK_S = 10.0
+STANDBY_RETRY_S = 5.0  # after the standby died: until then, workers start as plain ``python`` processes
 # A long poll answers within monitor_interval; this much longer and the controller is taken for gone
 # (a frozen controller accepts connections and never answers): in a failover job the agent then
 # looks for the new leader, well before the new leader gives up on this node.
@@ -90,14 +91,12 @@ class Agent:
         self.client = ControllerClient(controller_address, token, timeout=10.0, locator=self.locator)
         self.job_id = ""
         self.generation = 0
-        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.workers: dict[int, WorkerProcess] = {}
         self.worker_generations: dict[int, int] = {}  # rank -> generation its process was started in
         self.local_ranks: dict[int, int] = {}
-        self.standbys: list[subprocess.Popen[bytes]] = []  # warm interpreters ready to become a rank
-        # A whole node's worth: a replaced rank takes one, a job restart (or a spare adopting a node)
-        # starts every rank of the node from one.
-        self.standby_target = spec.nproc_per_node
-        self.standby_due: float | None = None  # when to pre-start the next warm standby
+        # The interpreter every worker of this node is forked from (standby.py), from the agent's start.
+        self.standby: WarmStandby | None = None
+        self.standby_due: float | None = time.monotonic() if spec.warm_standby else None
         self.standby_short_of_memory = False  # said once that memory was too short for one
         self.stopped_workers = StoppedWorkers()
         self._stopping = False
@@ -113,6 +112,7 @@ class Agent:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
+            self._keep_standby()  # its imports overlap the hello and the wait for the first order
             self._hello()
             self._claim_shared_memory()
             threading.Thread(target=self._watch_stopped, name="watch-stopped", daemon=True).start()
@@ -171,9 +171,6 @@ class Agent:
                 self.node, self.spare = reply.node, True
                 self.workers, self.worker_generations, self.local_ranks = {}, {}, {}
             self.job_id = reply.job_id
-            if self.spare and self.spec.warm_standby and not self.standbys:
-                # Idle until needed: have the replacement interpreter ready before that.
-                self.standby_due = time.monotonic()
             return
 
     def _claim_shared_memory(self) -> None:
@@ -262,10 +259,6 @@ class Agent:
         self.local_ranks = {rank: local for local, rank in enumerate(order.ranks)}
         for rank in order.ranks:
             self._spawn(rank, order, joining=False)
-        if self.spec.warm_standby and len(self.standbys) < self.standby_target:
-            # At once, so that a fault in the first steps finds one: a standby imports at a low CPU
-            # priority (standby.py), so it takes little from the workers' own start.
-            self.standby_due = time.monotonic()
 
     def _replace_workers(self, order: Order) -> None:
         """Process-level recovery: restart only these ranks; the node's other workers keep running."""
@@ -291,20 +284,19 @@ class Agent:
         env.pop(ENV_DIE_WITH_PARENT, None)
         log_path = log_dir / f"rank{rank}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
-        warm = self._standby_ready()
+        self._keep_standby()
+        warm = self.standby is not None and self.standby.usable()
         labels = ["replacement"] * joining + ["warm standby"] * warm
         kind = f" ({', '.join(labels)})" if labels else ""
         log.write(f"--- generation {order.generation}{kind} ---\n".encode())
         log.flush()
-        if warm:
-            process = self.standbys.pop(0)
-            assert process.stdin is not None
-            self.standby_due = time.monotonic()
-            env[ENV_WARM] = "1"
-            process.stdin.write((json.dumps({"env": env, "command": self.command, "log": str(log_path)})
-                                 + "\n").encode())
-            process.stdin.close()
-        else:
+        process: WorkerProcess | None = None
+        if self.standby is not None and warm:
+            process = self.standby.fork({**env, ENV_WARM: "1"}, self.command, log_path)
+            if process is None:
+                log.write(b"--- the warm standby is gone: started as a plain python process ---\n")
+                log.flush()
+        if process is None:
             process = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        preexec_fn=die_with_parent)
         log.close()
@@ -314,7 +306,7 @@ class Agent:
         threading.Thread(target=self._report_exit, args=(rank, process), name=f"wait-rank{rank}",
                          daemon=True).start()
 
-    def _report_exit(self, rank: int, process: subprocess.Popen[bytes]) -> None:
+    def _report_exit(self, rank: int, process: WorkerProcess) -> None:
         """Tell the controller the moment a worker ends, instead of at the next monitor tick."""
         process.wait()
         if self._stopping or self.workers.get(rank) is not process:
@@ -359,43 +351,40 @@ class Agent:
                 own.close()
 
     def _keep_standby(self) -> None:
-        """Pre-start a warm standby when one is due (the agent's main thread: PDEATHSIG is per thread)."""
-        alive = [process for process in self.standbys if process.poll() is None]
-        if len(alive) < len(self.standbys):
-            self.standbys = alive
-            self.standby_due = self.standby_due or time.monotonic()
-        if len(self.standbys) < self.standby_target and self.standby_due is not None \
-                and time.monotonic() >= self.standby_due \
-                and can_serve(self.command) and self._memory_for_standbys():
-            log = open(self.run_dir / "logs" / f"standby{self.node}.log", "ab")  # noqa: SIM115 - child's
-            for _ in range(self.standby_target - len(self.standbys)):
-                self.standbys.append(subprocess.Popen([sys.executable, "-u", "-m", "undying.standby"],
-                                                      stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                                      preexec_fn=die_with_parent))
-            log.close()
+        """Start the node's warm standby when one is due and there is none (or it died). On the agent's
+        main thread: PR_SET_PDEATHSIG follows the thread that started a child."""
+        if self.standby is not None and not self.standby.usable():
+            if self.standby.unsafe:
+                print(f"undying agent {self.node}: workers start without the warm standby: {self.standby.unsafe}",
+                      file=sys.stderr, flush=True)
+                self.standby_due = None  # a fork would be no safer next time
+            else:
+                self.standby_due = time.monotonic() + STANDBY_RETRY_S
+            self.standby = None
+        if self.standby is None and self.standby_due is not None and time.monotonic() >= self.standby_due \
+                and can_serve(self.command) and self._memory_for_standby():
+            log_dir = self.run_dir / "logs"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.standby = WarmStandby(log_dir / f"standby{self.node}.log")
             self.standby_due = None
 
-    def _memory_for_standbys(self) -> bool:
-        """Is there room for the missing standbys? If not, look again in a while."""
-        missing = self.standby_target - len(self.standbys)
+    def _memory_for_standby(self) -> bool:
+        """Is there room for the standby? If not, look again in a while."""
         available = available_memory()
-        if available is None or available >= missing * STANDBY_MIN_AVAILABLE:
+        if available is None or available >= STANDBY_MIN_AVAILABLE:
             return True
         if not self.standby_short_of_memory:
             print(f"undying agent {self.node}: no warm standby for now: {available >> 20} MiB of memory "
-                  f"available, {missing} standby(s) need {missing * STANDBY_MIN_AVAILABLE >> 20} MiB",
+                  f"available, the standby needs {STANDBY_MIN_AVAILABLE >> 20} MiB",
                   file=sys.stderr, flush=True)
         self.standby_short_of_memory = True
         self.standby_due = time.monotonic() + STANDBY_MEMORY_RECHECK_S
         return False
 
-    def _standby_ready(self) -> bool:
-        self.standbys = [process for process in self.standbys if process.poll() is None]
-        return self.spec.warm_standby and bool(self.standbys)
-
     def _drop_standby(self) -> None:
-        stop_processes(self.standbys, grace=0.0)
-        self.standbys = []
+        if self.standby is not None:
+            self.standby.close()
+            self.standby = None
 
     def _stop_workers(self, grace: float) -> None:
         stop_processes(list(self.workers.values()), grace)

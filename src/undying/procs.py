@@ -11,8 +11,23 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 PR_SET_PDEATHSIG = 1
+
+
+class WorkerProcess(Protocol):
+    """What the agent reads and does to a worker: a ``subprocess.Popen``, or a worker forked by the
+    node's warm standby (``warm_standby.ForkedWorker``)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, signum: int) -> None: ...
 
 
 def die_with_parent() -> None:
@@ -34,7 +49,7 @@ def signal_name(returncode: int | None) -> str | None:
         return f"signal {-returncode}"
 
 
-def stop_processes(processes: list[subprocess.Popen[bytes]], grace: float) -> None:
+def stop_processes(processes: Sequence[WorkerProcess], grace: float) -> None:
     """SIGTERM (when grace > 0), wait up to ``grace`` s, then SIGKILL whatever is left, and reap all."""
     alive = [p for p in processes if p.poll() is None]
     if grace > 0:
@@ -63,7 +78,7 @@ def kill_group(pid: int) -> None:
         pass
 
 
-def _send(process: subprocess.Popen[bytes], signum: int) -> None:
+def _send(process: WorkerProcess, signum: int) -> None:
     try:
         process.send_signal(signum)
     except ProcessLookupError:

@@ -1,18 +1,25 @@
-"""A warm standby worker: an interpreter with torch and undying already imported, waiting to be a rank.
+"""The node's warm standby: one interpreter with torch and undying imported, which forks the node's workers.
 
-Runs as a child of the node agent (``python -m undying.standby``). A cold replacement
-spends seconds importing torch (and torch._dynamo, which the first optimizer step
-imports lazily) before it can join; a standby has paid that already. When a rank on
-this node must be replaced, the agent writes one JSON line to the standby's stdin
-(the worker's environment, its command and its log file) and the standby becomes
-that rank by running the training script in this same process.
+Runs as a child of the node agent (``python -u -m undying.standby``); its handle in the agent
+is ``warm_standby.WarmStandby``. A worker started as ``python train.py`` spends seconds
+importing torch (and torch._dynamo, which the first optimizer step imports lazily) before it
+can join, and on a node of N ranks N interpreters pay that at once. The standby pays it once
+per node, at the agent's start; every worker of the node (the first generation, a replacement,
+a job restart, a spare's adopted ranks) is then a ``fork`` of it that runs the training script
+in the forked process, as ``python script.py`` would: its environment, ``sys.argv``,
+``__main__``, its log as stdout and stderr, and the interpreter's own exit (atexit hooks,
+non-daemon threads) at the end.
 
-The agent starts its standbys together with the workers, so that a fault in the first steps
-already finds one. Their imports then run on a thread of low CPU priority (``PRELOAD_NICE``;
-Linux sets the nice value per thread): on a machine whose cores the workers fill, a standby
-takes little from their start. The rank itself runs on the main thread, at normal priority; an
-assignment that arrives during the import waits for it, after raising that thread's priority
-back where the system allows it.
+Protocol, one JSON object per line. From the agent on stdin: ``{"id", "env", "command", "log"}``.
+To the agent on stdout: ``"ready"`` once imported; ``{"id", "pid"}`` for each fork;
+``{"exit": pid, "code": c}`` when a forked worker ends (``c`` as ``Popen.returncode`` reads:
+negative for a signal); ``{"unsafe": why}`` and exit when forking would not be safe (a GPU
+driver initialised during the imports cannot be used by a forked child). Stdin closed: the
+agent is done; any worker still running is killed, and the standby exits.
+
+The standby is single-threaded (so a fork copies no lock another thread holds), ignores SIGINT
+(the agent decides when the node's workers stop), and its children die with it
+(PR_SET_PDEATHSIG), as it dies with the agent.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import select
+import signal
 import sys
-import threading
+from typing import Any
 
-PRELOAD_NICE = 10  # nice value of the importing thread (0 is normal, 19 the lowest priority)
+from undying.procs import die_with_parent
 
 
 def _preload() -> None:
@@ -34,59 +43,126 @@ def _preload() -> None:
     import undying.runtime.core  # noqa: F401
 
 
-def _set_thread_nice(thread_id: int, value: int) -> bool:
+def fork_unsafe_reason() -> str | None:
+    """Why a fork of this process could not use the GPU (the driver initialised here), or None."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was initialised while importing"
     try:
-        os.setpriority(os.PRIO_PROCESS, thread_id, value)
-        return True
-    except (OSError, AttributeError):
-        return False  # not Linux, or lowering the nice value needs a privilege this process lacks
-
-
-class Preload:
-    """The imports, on a thread of low CPU priority."""
-
-    def __init__(self) -> None:
-        self.thread_id: int | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="undying-preload", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def _run(self) -> None:
-        self.thread_id = threading.get_native_id()
-        _set_thread_nice(self.thread_id, PRELOAD_NICE)
-        try:
-            _preload()
-        except BaseException as error:  # re-raised on the main thread, which owns the process
-            self.error = error
-            return
-        print("ready", flush=True)
-
-    def finish(self) -> None:
-        """Wait for the imports, and give the rank normal priority: the importing thread and the
-        threads it started (torch starts one of its own) get the main thread's nice value back,
-        where the system allows lowering it (root, CAP_SYS_NICE, RLIMIT_NICE); elsewhere they stay
-        low, and the training itself, on the main thread and the threads it starts, is unaffected."""
-        normal = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        if self.thread.is_alive() and self.thread_id is not None:
-            _set_thread_nice(self.thread_id, normal)
-        self.thread.join()
-        for task in _threads_of_this_process():
-            if task != threading.get_native_id():
-                _set_thread_nice(task, normal)
-        if self.error is not None:
-            raise self.error
-
-
-def _threads_of_this_process() -> list[int]:
-    try:
-        return [int(task) for task in os.listdir("/proc/self/task")]
+        with open("/proc/self/maps") as maps:
+            if any("libcuda.so" in line for line in maps):
+                return "the CUDA driver was loaded while importing"
     except OSError:
-        return []
+        pass
+    return None
 
 
-def _become(assignment: dict) -> None:
+def _say(message: Any) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def serve() -> dict | None:
+    """Fork a worker per request. Returns in a forked child (its request), or None in the standby
+    once the agent closed stdin."""
+    _preload()
+    unsafe = fork_unsafe_reason()
+    if unsafe is not None:
+        _say({"unsafe": unsafe})
+        return None
+    print("ready", file=sys.stderr, flush=True)  # for whoever reads the standby's log
+    _say("ready")
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the select below
+    children: set[int] = set()
+    pending = b""
+    try:
+        while True:
+            readable, _, _ = select.select([0, wake_read], [], [])
+            if wake_read in readable:
+                while _drain(wake_read):
+                    pass
+            _reap(children)
+            if 0 not in readable:
+                continue
+            data = os.read(0, 1 << 16)
+            if not data:
+                return None
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                if not line.strip():
+                    continue
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    _become_child(wake_read, wake_write)
+                    return request
+                children.add(pid)
+                _say({"id": request["id"], "pid": pid})
+    finally:
+        if children and os.getpid() == _STANDBY_PID:
+            for pid in children:
+                _kill(pid)
+            try:
+                _reap(children, block=True)
+            except OSError:
+                pass  # the agent stopped reading: nobody to tell
+
+
+def _drain(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 512))
+    except BlockingIOError:
+        return False
+
+
+def _reap(children: set[int], block: bool = False) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        _say({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)  # a stopped process dies of SIGKILL too; this makes it immediate
+    except ProcessLookupError:
+        pass
+
+
+def _become_child(wake_read: int, wake_write: int) -> None:
+    """In a fresh fork: the signal handling and file descriptors a ``python`` process starts with,
+    dying with the standby, and random state of its own."""
+    signal.set_wakeup_fd(-1)
+    os.close(wake_read)
+    os.close(wake_write)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    die_with_parent()
+    if os.getppid() != _STANDBY_PID:  # the standby died before the line above took effect
+        os._exit(1)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()  # as a fresh interpreter's numpy would be: seeded from the OS, per process
+
+
+def become(assignment: dict) -> None:
+    """Run ``assignment["command"]`` (``python [-u] script ...`` or ``python [-u] -m module ...``) in
+    this process, with its environment and its log as stdout and stderr."""
     os.environ.clear()
     os.environ.update(assignment["env"])
     log_fd = os.open(assignment["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -113,17 +189,16 @@ def can_serve(command: list[str]) -> bool:
         part.endswith(".py") or part == "-m" for part in command[1:3])
 
 
+_STANDBY_PID = os.getpid()
+
+
 def main() -> int:
-    preload = Preload()
-    preload.start()
-    line = sys.stdin.readline()
-    if not line.strip():
-        # The agent closed our stdin: no rank for us. Not a normal exit, which could find the
-        # importing thread half way and tear the interpreter down under it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    assignment = serve()
+    if assignment is None:
         sys.stdout.flush()
-        os._exit(0)
-    preload.finish()
-    _become(json.loads(line))
+        return 0
+    become(assignment)
     return 0
 
 

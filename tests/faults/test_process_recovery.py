@@ -51,8 +51,8 @@ def assert_survivors_kept(run: JobRun, restarted: set[int], strategy: str) -> No
 
 
 def test_recover_in_place_after_killed_worker_uses_warm_standby(reference_run: JobRun, tmp_path: Path) -> None:
-    """The agent starts its standbys with the workers, so a fault at the second step already finds
-    one (perhaps still importing, at low priority: the rank then waits for the rest of the import)."""
+    """Every worker is forked from its node's warm standby, the first ones too, so a fault at the
+    second step already finds it ready: the replacement is a fork as well."""
     run = run_job(tmp_path, [*PROCESS_LEVEL, "--set", "warm_standby=true", "--inject", "kill:rank=1:step=2"])
     assert_bitwise(run, reference_run)
     assert_survivors_kept(run, {1}, "recover-in-place")
@@ -158,3 +158,43 @@ def test_watchdog_off_leaves_a_hang_alone(tmp_path: Path) -> None:
         if process.poll() is None:
             process.kill()
     assert wait_no_processes(mark) == []
+
+
+def test_a_killed_warm_standby_takes_its_nodes_workers_and_the_job_recovers_bitwise(
+        reference_run: JobRun, tmp_path: Path) -> None:
+    """Node 1's workers are forks of its warm standby and die with it (PR_SET_PDEATHSIG). SIGKILL of
+    that standby mid-run: the agent reads both ranks as killed, the ranks are replaced (as plain
+    processes or from the agent's next standby), the other node keeps its processes, and the run
+    ends bitwise equal."""
+    process, mark = start_job(tmp_path, PROCESS_LEVEL, script_args=["--step-sleep", "0.2"])
+    try:
+        ready = wait_for_events(tmp_path, lambda e: e.kind == ev.HEARTBEAT and e.rank == 2 and (e.step or 0) >= 8)
+        rank2 = next(e for e in ready if e.kind == ev.WORKER_READY and e.rank == 2)
+        standby = parent_pid(rank2.details["pid"])
+        assert "undying.standby" in Path(f"/proc/{standby}/cmdline").read_bytes().decode().replace("\0", " ")
+        os.kill(standby, signal.SIGKILL)
+        output, _ = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    run = JobRun(process.returncode, output, tmp_path, mark)
+    assert wait_no_processes(mark) == []
+    assert_bitwise(run, reference_run)
+    faults = run.kinds(ev.FAULT_DETECTED)
+    assert faults and {fault.details.get("signal") for fault in faults} == {"SIGKILL"}, [f.details for f in faults]
+    assert not run.kinds(ev.RESTART_BEGIN), "the node's agent lives: a process-level recovery"
+    assert_survivors_kept(run, {2, 3}, "recover-in-place")
+
+
+def wait_for_events(run_dir: Path, found, timeout: float = 120) -> list:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        events = read_events(run_dir) if (run_dir / "events.jsonl").exists() else []
+        if any(found(event) for event in events):
+            return events
+        time.sleep(0.1)
+    raise AssertionError("the event never came")
+
+
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

@@ -1,71 +1,109 @@
-"""The warm standby interpreter (undying/standby.py): it imports on a thread of low CPU priority and
-runs its rank on the main thread at normal priority; an empty stdin ends it at once."""
+"""The node's warm standby (undying/standby.py) and the agent's handle on it (warm_standby.py): a
+forked worker runs its script as ``python script.py`` would, its exit (code or signal) reaches the
+agent, and no worker outlives the standby."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
 
-from undying.standby import PRELOAD_NICE
+import pytest
 
-REPORT_THREADS = """
-import json, os, sys
-nice = {int(task): int(open(f"/proc/self/task/{task}/stat").read().rsplit(")", 1)[1].split()[16])
-        for task in os.listdir("/proc/self/task")}
-json.dump({"main": os.getpriority(os.PRIO_PROCESS, 0), "threads": nice, "argv": sys.argv[1:],
-           "torch_loaded": "torch._dynamo" in sys.modules}, open(sys.argv[1], "w"))
+from undying.warm_standby import WarmStandby
+
+REPORT = """
+import atexit, json, os, signal, sys
+def report():
+    json.dump({"argv": sys.argv, "name": __name__, "ppid": os.getppid(), "cwd": os.getcwd(),
+               "mine": os.environ.get("ONLY_IN_ASSIGNMENT"), "leaked": "ONLY_IN_STANDBY" in os.environ,
+               "torch_loaded_before": TORCH_LOADED, "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+               "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "stdin": sys.stdin.read(),
+               "path0": sys.path[0]}, open(sys.argv[1], "w"))
+TORCH_LOADED = "torch._dynamo" in sys.modules
+atexit.register(report)  # the interpreter's own exit runs the script's atexit hooks
+print("to stdout"); print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[2]))
 """
 
-
-def thread_nice_values(pid: int) -> dict[int, int]:
-    values = {}
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
-        except OSError:
-            continue
-        values[int(task)] = int(stat.rsplit(")", 1)[1].split()[16])
-    return values
+SLEEP = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
 
 
-def test_a_standby_imports_at_low_priority_and_runs_its_rank_at_normal_priority(tmp_path: Path) -> None:
-    script, report, log = tmp_path / "rank.py", tmp_path / "report.json", tmp_path / "rank.log"
-    script.write_text(REPORT_THREADS)
-    standby = subprocess.Popen([sys.executable, "-u", "-m", "undying.standby"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        # While torch is being imported (seconds), a thread other than the main one runs at PRELOAD_NICE.
-        seen_low: set[int] = set()
-        deadline = time.monotonic() + 30
-        while not seen_low and time.monotonic() < deadline and standby.poll() is None:
-            seen_low = {task for task, nice in thread_nice_values(standby.pid).items() if nice == PRELOAD_NICE}
-            time.sleep(0.02)
-        assert seen_low and standby.pid not in seen_low, "the imports run on a low-priority thread"
-        assert thread_nice_values(standby.pid)[standby.pid] == 0, "the main thread keeps normal priority"
-        assert standby.stdout is not None and standby.stdout.readline().strip() == b"ready"
-        assignment = {"env": dict(os.environ), "command": [sys.executable, "-u", str(script), str(report)],
-                      "log": str(log)}
-        assert standby.stdin is not None
-        standby.stdin.write((json.dumps(assignment) + "\n").encode())
-        standby.stdin.close()
-        assert standby.wait(timeout=60) == 0, log.read_text()
-    finally:
-        standby.kill()
+@pytest.fixture
+def standby(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("ONLY_IN_STANDBY", "1")
+    handle = WarmStandby(tmp_path / "standby.log")
+    yield handle
+    handle.close()
+
+
+def says_up(log: Path) -> bool:
+    return log.exists() and "up" in log.read_text()
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_forked_worker_runs_its_script_as_python_would(standby: WarmStandby, tmp_path: Path) -> None:
+    script, report, log = tmp_path / "train.py", tmp_path / "report.json", tmp_path / "rank0.log"
+    script.write_text(REPORT)
+    env = {"ONLY_IN_ASSIGNMENT": "yes", "PATH": os.environ.get("PATH", "")}
+    worker = standby.fork(env, [sys.executable, "-u", str(script), str(report), "3"], log)
+    assert worker is not None
+    assert worker.wait(timeout=60) == 3, log.read_text()
     result = json.loads(report.read_text())
-    assert result["torch_loaded"] and result["argv"] == [str(report)]
-    assert result["main"] == 0
-    if os.geteuid() == 0:
-        # Allowed to lower nice values again: every thread the import started is back at normal priority.
-        assert set(result["threads"].values()) == {0}, result
+    assert result["argv"] == [str(script), str(report), "3"] and result["name"] == "__main__"
+    assert result["mine"] == "yes" and not result["leaked"], "the assignment's environment, only it"
+    assert result["torch_loaded_before"], "forked from an interpreter that imported torch"
+    assert result["ppid"] == standby.process.pid
+    assert result["sigint"] and result["sigterm"] and result["stdin"] == ""
+    assert result["path0"] == str(tmp_path) and result["cwd"] == os.getcwd()
+    assert log.read_text().splitlines() == ["to stdout", "to stderr"]
+    assert "ready" in (tmp_path / "standby.log").read_text()
 
 
-def test_a_standby_without_a_rank_exits_at_once_even_while_importing() -> None:
-    standby = subprocess.Popen([sys.executable, "-m", "undying.standby"], stdin=subprocess.PIPE,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, errors = standby.communicate(b"", timeout=30)
-    assert standby.returncode == 0, errors
-    assert not errors
+def test_a_killed_worker_reads_its_signal_and_the_standby_forks_on(standby: WarmStandby, tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text(SLEEP)
+    first = standby.fork(dict(os.environ), [sys.executable, str(script)], tmp_path / "a.log")
+    second = standby.fork(dict(os.environ), [sys.executable, str(script)], tmp_path / "b.log")
+    assert first is not None and second is not None and first.pid != second.pid
+    wait_for(lambda: says_up(tmp_path / "a.log"))
+    os.kill(first.pid, signal.SIGKILL)
+    assert first.wait(timeout=10) == -signal.SIGKILL
+    assert second.poll() is None
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(timeout=10) == -signal.SIGTERM
+    second.send_signal(signal.SIGKILL)  # ended: as Popen, nothing is sent to a pid that may be reused
+
+
+def test_no_worker_outlives_its_standby(standby: WarmStandby, tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text(SLEEP)
+    worker = standby.fork(dict(os.environ), [sys.executable, str(script)], tmp_path / "a.log")
+    assert worker is not None
+    wait_for(lambda: says_up(tmp_path / "a.log"))
+    os.kill(standby.process.pid, signal.SIGKILL)
+    assert worker.wait(timeout=10) == -signal.SIGKILL, "the agent learns its workers went with the standby"
+    wait_for(lambda: not Path(f"/proc/{worker.pid}").exists() or ") Z " in Path(f"/proc/{worker.pid}/stat").read_text())
+    assert not standby.usable()
+    assert standby.fork(dict(os.environ), [sys.executable, str(script)], tmp_path / "b.log") is None
+
+
+def test_closing_the_standby_ends_its_workers(tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text(SLEEP)
+    standby = WarmStandby(tmp_path / "standby.log")
+    worker = standby.fork(dict(os.environ), [sys.executable, str(script)], tmp_path / "a.log")
+    assert worker is not None
+    assert standby.process.stdin is not None
+    standby.process.stdin.close()  # the agent is done with it: it kills what it forked and exits
+    assert standby.process.wait(timeout=30) == 0
+    assert worker.wait(timeout=10) == -signal.SIGKILL

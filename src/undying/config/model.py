@@ -136,7 +136,7 @@ class JobSpec(BaseModel):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     compile_cache: str | None = None
-    warm_standby: bool = True  # each agent keeps a pre-started interpreter per rank: replacements, job restarts
+    warm_standby: bool = True  # each agent forks its workers from one interpreter with torch imported
     # Elastic training: how a replica covers a lost replica's share of the global batch. grow (the
     # default): one larger batch per step, so any loop (one next(loader) per step) runs on unchanged,
     # at the cost of memory per forward/backward growing by the lost replicas' share (2x after losing
