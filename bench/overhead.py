@@ -214,6 +214,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ", ".join(SIZES))
     parser.add_argument("--out", default=None, help="write the runs and the summary here (JSON)")
+    parser.add_argument("--run-steps", type=int, help="steps of every run instead of the size's own count")
     parser.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--times-file", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
@@ -228,6 +229,11 @@ def main() -> None:
     unknown = [size for size in sizes if size not in SIZES]
     if unknown:
         raise SystemExit(f"--sizes: unknown size {unknown[0]!r}; allowed: {', '.join(SIZES)}")
+    if args.run_steps is not None:
+        if args.run_steps <= WARMUP_STEPS + 10:
+            raise SystemExit(f"--run-steps: must be more than {WARMUP_STEPS + 10} (the warmup, then a window)")
+        for size in sizes:
+            SIZES[size] = (*SIZES[size][:3], args.run_steps)
     runs: list[dict] = []
     for repeat in range(args.repeats):
         for size in sizes:

@@ -84,16 +84,20 @@ SCENARIOS.update({f"wider GPT, {name}": [*SCENARIOS[name], "--", *WIDER] for nam
     "recover-in-place, SIGKILL worker, warm standby, peer transfer")})
 
 
-def measure_undying(extra: list[str]) -> dict:
-    """One run of the scenario ``extra``: undying's arguments, then after ``--`` the script's."""
+def measure_undying(extra: list[str], tree: Path = REPO) -> dict:
+    """One run of the scenario ``extra``: undying's arguments, then after ``--`` the script's. ``tree``:
+    the checkout whose undying and example run (another one: its ``src`` first on PYTHONPATH)."""
     split = extra.index("--") if "--" in extra else len(extra)
     options, script_args = extra[:split], extra[split + 1:]
+    env = dict(os.environ)
+    if tree != REPO:
+        env["PYTHONPATH"] = os.pathsep.join([str(tree / "src"), *filter(None, [env.get("PYTHONPATH")])])
     with tempfile.TemporaryDirectory(prefix="undying-bench-") as tmp:
         run_dir = Path(tmp) / "run"
         started = time.time()
         command = [sys.executable, "-m", "undying.cli", "run", *BASE, *options, "--run-dir", str(run_dir),
-                   str(REPO / "examples" / "gpt" / "train.py"), "--steps", str(STEPS), *script_args]
-        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600)
+                   str(tree / "examples" / "gpt" / "train.py"), "--steps", str(STEPS), *script_args]
+        result = subprocess.run(command, capture_output=True, text=True, cwd=tree, timeout=600, env=env)
         wall = time.time() - started
         events = read_events(run_dir)
         record: dict = {"exit_code": result.returncode, "wall_seconds": round(wall, 3)}

@@ -5,7 +5,8 @@ bench/recovery.py (the example GPT, 2 simulated nodes x 2 workers, 60 steps, T1 
 ``warm_standby`` true (each agent's standby imports torch once and forks the node's workers) and
 false (every worker its own ``python`` process), interleaved:
 
-- ``start``: fault-free; seconds from ``undying run`` to the last rank's first step, the steady
+- ``start``: fault-free; seconds from ``undying run`` to the last rank ready to train (its
+  ``worker_ready``: imports, ``undying.init()``, groups built, state restored), the steady
   step rate, and at step 20 the memory of every process of the job (controller, agents, standbys,
   workers): resident (RSS) and proportional (PSS: a page shared by k processes counts 1/k), from
   /proc/PID/smaps_rollup;
@@ -74,9 +75,9 @@ def measure_start(kind: str) -> dict:
                     memory = memory_of(mark)
                 time.sleep(0.1)
         events = read_events(run_dir)
-    firsts = [e.time for e in events if e.kind == ev.FIRST_STEP and e.generation == 1]
+    readies = [e.time for e in events if e.kind == ev.WORKER_READY and e.generation == 1]
     saves = {e.step: e.time for e in events if e.kind == ev.CHECKPOINT_SAVE}
-    record = {"exit_code": job.returncode, "start_seconds": round(max(firsts) - started, 3), **memory}
+    record = {"exit_code": job.returncode, "start_seconds": round(max(readies) - started, 3), **memory}
     if 20 in saves and STEPS in saves:
         record["steps_per_second"] = round((STEPS - 20) / (saves[STEPS] - saves[20]), 2)
     return record
