@@ -14,7 +14,7 @@ Protocol, one JSON object per line. From the agent on stdin: ``{"id", "env", "co
 To the agent on stdout: ``"ready"`` once imported; ``{"id", "pid"}`` for each fork;
 ``{"exit": pid, "code": c}`` when a forked worker ends (``c`` as ``Popen.returncode`` reads:
 negative for a signal); ``{"unsafe": why}`` and exit when forking would not be safe (a GPU
-driver initialised during the imports cannot be used by a forked child). Stdin closed: the
+driver initialised during the imports, its device files open, cannot be used by a forked child). Stdin closed: the
 agent is done; any worker still running is killed, and the standby exits.
 
 The standby is single-threaded (so a fork copies no lock another thread holds), ignores SIGINT
@@ -43,15 +43,24 @@ def _preload() -> None:
     import undying.runtime.core  # noqa: F401
 
 
-def fork_unsafe_reason() -> str | None:
+# Device files a GPU driver opens when it initialises (NVIDIA's, AMD's ROCm): only mapping a driver
+# library is harmless to a fork; a driver with its devices open is not.
+GPU_DEVICE_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/")
+
+
+def fork_unsafe_reason(fd_dir: str = "/proc/self/fd") -> str | None:
     """Why a fork of this process could not use the GPU (the driver initialised here), or None."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA was initialised while importing"
     try:
-        with open("/proc/self/maps") as maps:
-            if any("libcuda.so" in line for line in maps):
-                return "the CUDA driver was loaded while importing"
+        for fd in os.listdir(fd_dir):
+            try:
+                target = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:
+                continue
+            if target.startswith(GPU_DEVICE_FILES):
+                return f"a GPU device was opened while importing ({target})"
     except OSError:
         pass
     return None

@@ -107,3 +107,17 @@ def test_closing_the_standby_ends_its_workers(tmp_path: Path) -> None:
     standby.process.stdin.close()  # the agent is done with it: it kills what it forked and exits
     assert standby.process.wait(timeout=30) == 0
     assert worker.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_standby_with_a_gpu_device_open_is_not_forked_from(tmp_path: Path) -> None:
+    """The fork guard reads the process's open files: a GPU driver's device among them makes a fork
+    unsafe (a driver initialised before a fork cannot be used in the child); none, and it is safe."""
+    from undying.standby import fork_unsafe_reason
+
+    assert fork_unsafe_reason() is None
+    fds = tmp_path / "fd"
+    fds.mkdir()
+    (fds / "3").symlink_to("/dev/null")
+    assert fork_unsafe_reason(str(fds)) is None
+    (fds / "4").symlink_to("/dev/nvidiactl")
+    assert "nvidiactl" in (fork_unsafe_reason(str(fds)) or "")
