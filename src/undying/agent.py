@@ -285,14 +285,14 @@ class Agent:
         log_path = log_dir / f"rank{rank}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
         self._keep_standby()
-        warm = self.standby is not None and self.standby.usable()
-        labels = ["replacement"] * joining + ["warm standby"] * warm
+        standby = self.standby if self.standby is not None and self.standby.usable() else None
+        labels = ["replacement"] * joining + ["warm standby"] * (standby is not None)
         kind = f" ({', '.join(labels)})" if labels else ""
         log.write(f"--- generation {order.generation}{kind} ---\n".encode())
         log.flush()
         process: WorkerProcess | None = None
-        if self.standby is not None and warm:
-            process = self.standby.fork({**env, ENV_WARM: "1"}, self.command, log_path)
+        if standby is not None:
+            process = standby.fork({**env, ENV_WARM: "1"}, self.command, log_path)
             if process is None:
                 log.write(b"--- the warm standby is gone: started as a plain python process ---\n")
                 log.flush()

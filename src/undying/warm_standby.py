@@ -46,9 +46,6 @@ class ForkedWorker:
         if self.returncode is None:  # as Popen: never signal a pid that may be another process's now
             os.kill(self.pid, signum)
 
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
     def ended(self, code: int) -> None:
         if self.returncode is None:
             self.returncode = code
