@@ -9,6 +9,9 @@ the recovery is the regroup and the roll-back), and reads from the event log:
 - ``rebuild``: each rank's time to build the new generation's groups (event ``recovered``);
   median and maximum over the ranks;
 - ``repair`` and ``wait for plan``: the rest of each rank's part (medians);
+- ``plans reached the ranks over``: from the first rank's plan to the last's, and ``groups built
+  after the last plan``: from the last rank's plan to the last rank's groups built (the build is a
+  rendezvous: a rank's rebuild includes waiting for the last rank to have its plan);
 - ``MTTR``: from the exception to the last rank's first step of the new generation.
 
 All ranks share this machine's cores (2 here), so a larger world also means slower ranks; the
@@ -75,6 +78,12 @@ def run_once(world: int) -> dict:
         record["rebuild_max"] = round(max(rebuild), 4)
         record["repair_median"] = round(statistics.median(e.details["repair"] for e in recovered), 4)
         record["wait_for_plan_median"] = round(statistics.median(e.details["wait_for_plan"] for e in recovered), 4)
+        # When each rank had its plan and when its groups were built (its event's time less its parts):
+        # the build is a rendezvous, so a rank's rebuild includes waiting for the last rank's plan.
+        planned = [e.time - e.details["repair"] - e.details["rebuild"] for e in recovered]
+        built = [e.time - e.details["repair"] for e in recovered]
+        record["plan_spread"] = round(max(planned) - min(planned), 4)
+        record["build_after_last_plan"] = round(max(built) - max(planned), 4)
         firsts = [e.time for e in events if e.kind == ev.FIRST_STEP and e.time > fault.time]
         if len(firsts) >= world:
             record["mttr_seconds"] = round(max(firsts) - fault.time, 4)
@@ -85,16 +94,19 @@ def run_once(world: int) -> dict:
 
 
 def summarize(records: list[dict]) -> dict:
-    keys = ("rebuild_median", "rebuild_max", "repair_median", "wait_for_plan_median", "mttr_seconds", "step_seconds")
+    keys = ("rebuild_median", "rebuild_max", "repair_median", "wait_for_plan_median", "plan_spread",
+            "build_after_last_plan", "mttr_seconds", "step_seconds")
     return {"runs": len(records), "failed": sum(r["exit_code"] != 0 for r in records), **medians(records, keys, 4)}
 
 
 def markdown(results: dict[int, dict]) -> str:
-    lines = ["| world | step s | rebuild s: median (max) | repair s | wait for plan s | MTTR s |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| world | step s | rebuild s: median (max) | plans reached the ranks over s | groups built s after the last plan "
+             "| repair s | wait for plan s | MTTR s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for world, s in sorted(results.items()):
         lines.append(f"| {world} | {s.get('step_seconds', '-')} | {s.get('rebuild_median', '-')} "
-                     f"({s.get('rebuild_max', '-')}) | {s.get('repair_median', '-')} | "
+                     f"({s.get('rebuild_max', '-')}) | {s.get('plan_spread', '-')} | {s.get('build_after_last_plan', '-')} "
+                     f"| {s.get('repair_median', '-')} | "
                      f"{s.get('wait_for_plan_median', '-')} | {s.get('mttr_seconds', '-')} |")
     return "\n".join(lines)
 

@@ -9,7 +9,9 @@ that a change in the machine's load falls on all of them alike:
   (this file's ``--torchrun-worker`` mode), no checkpoints;
 - ``undying, snapshot every step``: examples/gpt/train.py under ``undying run``, a T1 snapshot at
   every step (``checkpoint.snapshot_interval: 1``), warm standby on;
-- ``undying, snapshot auto``: the same with ``snapshot_interval: auto`` (budget 2 %).
+- ``undying, snapshot auto``: the same with ``snapshot_interval: auto`` (budget 2 %);
+- ``undying, snapshot every 2 steps`` (only with ``--configs ...,every-2``): a fixed interval of 2, what ``auto``
+  chose at the largest size, to tell the interval's cost from the cadence's own.
 
 Every job has 4 ranks on one node, batch 4 x 32 tokens per rank, one thread per rank. No T2
 checkpoint falls in the runs (the checkpoint interval is longer than the run). The step rate is
@@ -19,7 +21,9 @@ from it, so this is before their first step; before session 13 the standbys impo
 training, and the window began after them):
 torchrun's from its per-step times, undying's from the controller's heartbeat events (rank 0's
 committed step, logged at most every 0.5 s, each at most 0.1 s after its step). The overhead of a
-configuration is its median step time against torchrun's, in percent.
+configuration is its median step time against torchrun's, in percent. Each run also records its
+step time over every ``WINDOW_STEPS`` steps (``windows_ms``): how much one run's rate moves while
+nothing in it changes.
 
     python bench/overhead.py --repeats 2 --out bench/results/overhead.json
 """
@@ -56,6 +60,10 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
     "8x384": (8, 384, 6, 150),
 }
 CONFIGS = ("torchrun", "undying, snapshot every step", "undying, snapshot auto")
+EVERY_2 = "undying, snapshot every 2 steps"
+INTERVALS = {"undying, snapshot every step": "1", "undying, snapshot auto": "auto", EVERY_2: "2"}
+SHORT_NAMES = {"torchrun": CONFIGS[0], "every-step": CONFIGS[1], "auto": CONFIGS[2], "every-2": EVERY_2}  # --configs
+WINDOW_STEPS = 20
 RUN_TIMEOUT_S = 900
 
 
@@ -71,6 +79,16 @@ def rate(times: dict[int, float], first: int) -> float | None:
     return (steps[-1] - steps[0]) / (times[steps[-1]] - times[steps[0]])
 
 
+def windows(times: dict[int, float]) -> list[float]:
+    """Milliseconds per step over each ``WINDOW_STEPS`` steps of a run (its first recorded step to its last)."""
+    rows = []
+    for first in range(0, max(times, default=0) + 1, WINDOW_STEPS):
+        steps = [step for step in sorted(times) if first <= step < first + WINDOW_STEPS]
+        if len(steps) > 1 and times[steps[-1]] > times[steps[0]]:
+            rows.append(round(1000 * (times[steps[-1]] - times[steps[0]]) / (steps[-1] - steps[0]), 1))
+    return rows
+
+
 def model_args(size: str) -> list[str]:
     n_layer, n_embd, n_head, steps = SIZES[size]
     return ["--steps", str(steps), "--n-layer", str(n_layer), "--n-embd", str(n_embd), "--n-head", str(n_head)]
@@ -83,7 +101,7 @@ def run_torchrun(size: str, work: Path) -> dict:
                str(Path(__file__).resolve()), "--torchrun-worker", "--times-file", str(log), *model_args(size)]
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     times = {int(step): at for step, at in json.loads(log.read_text()).items()} if log.exists() else {}
-    return {"exit_code": result.returncode, "steps_per_second": rate(times, WARMUP_STEPS)}
+    return {"exit_code": result.returncode, "steps_per_second": rate(times, WARMUP_STEPS), "windows_ms": windows(times)}
 
 
 def standbys_ready(run_dir: Path) -> bool:
@@ -121,7 +139,8 @@ def run_undying(size: str, interval: str, work: Path) -> dict:
                for event in events if event.kind == ev.SNAPSHOT_INTERVAL and event.rank == 0]
     record: dict = {"exit_code": returncode, "steps_per_second": rate(beats, WARMUP_STEPS),
                     "standbys_ready_seconds": None if ready_at is None else round(ready_at - started, 1),
-                    "measured_beats": len([step for step in beats if step >= WARMUP_STEPS])}
+                    "measured_beats": len([step for step in beats if step >= WARMUP_STEPS]),
+                    "windows_ms": windows(beats)}
     if ready_at is None:
         record["steps_per_second"] = None  # the run ended before its standbys were up: no steady state
     if changes:
@@ -138,7 +157,7 @@ def run_once(size: str, config: str) -> dict:
         if config == "torchrun":
             record = run_torchrun(size, Path(tmp))
         else:
-            record = run_undying(size, "auto" if config.endswith("auto") else "1", Path(tmp))
+            record = run_undying(size, INTERVALS[config], Path(tmp))
         record.update(size=size, config=config, wall_seconds=round(time.time() - started, 1),
                       load_before=load, load_after=load_average())
         if record["steps_per_second"] is not None:
@@ -151,7 +170,7 @@ def summarize(runs: list[dict]) -> dict:
     summary: dict = {}
     for size in dict.fromkeys(run["size"] for run in runs):
         rows: dict = {}
-        for config in CONFIGS:
+        for config in dict.fromkeys(run["config"] for run in runs):
             rates = [run["steps_per_second"] for run in runs
                      if (run["size"], run["config"]) == (size, config) and run["steps_per_second"]]
             if rates:
@@ -215,6 +234,8 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ", ".join(SIZES))
     parser.add_argument("--out", default=None, help="write the runs and the summary here (JSON)")
     parser.add_argument("--run-steps", type=int, help="steps of every run instead of the size's own count")
+    parser.add_argument("--configs", default="torchrun,every-step,auto",
+                        help="comma-separated, in run order; allowed: " + ", ".join(SHORT_NAMES))
     parser.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--times-file", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
@@ -229,6 +250,12 @@ def main() -> None:
     unknown = [size for size in sizes if size not in SIZES]
     if unknown:
         raise SystemExit(f"--sizes: unknown size {unknown[0]!r}; allowed: {', '.join(SIZES)}")
+    names = [name.strip() for name in args.configs.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SHORT_NAMES]
+    if unknown or not names:
+        raise SystemExit(f"--configs: unknown configuration {unknown[0] if unknown else ''!r}; "
+                         f"allowed: {', '.join(SHORT_NAMES)}")
+    configs = [SHORT_NAMES[name] for name in names]
     if args.run_steps is not None:
         if args.run_steps <= WARMUP_STEPS + 10:
             raise SystemExit(f"--run-steps: must be more than {WARMUP_STEPS + 10} (the warmup, then a window)")
@@ -237,7 +264,7 @@ def main() -> None:
     runs: list[dict] = []
     for repeat in range(args.repeats):
         for size in sizes:
-            for config in CONFIGS:
+            for config in configs:
                 record = run_once(size, config)
                 record["repeat"] = repeat
                 runs.append(record)

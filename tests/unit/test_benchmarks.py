@@ -39,13 +39,18 @@ def test_scale_benchmark_runs_and_steady_training_wakes_no_tick(tmp_path: Path) 
     assert "| 64 |" in done.stdout
 
 
-def test_t1_per_node_benchmark_reads_back_bitwise_and_halves_the_memory_of_two_ranks(tmp_path: Path) -> None:
+def test_t1_per_node_benchmark_reads_back_bitwise_halves_the_memory_and_splits_the_embedding(tmp_path: Path) -> None:
     """Two real processes of one node write their parts of the replica; each puts the node's snapshot
-    back together bitwise, and the node's slots hold the replica once, not once per rank."""
+    back together bitwise, and the node's slots hold the replica once, not once per rank. The replica
+    is an embedding and its two AdamW moments (three equal tensors): dealt whole, one rank copies two
+    of them; split by bytes, each copies half."""
     out = tmp_path / "t1.json"
-    done = subprocess.run([sys.executable, "bench/t1_per_node.py", "--ranks", "2", "--layers", "2", "--rounds", "3",
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=180)
+    done = subprocess.run([sys.executable, "bench/t1_per_node.py", "--ranks", "2", "--layers", "0", "--embedding", "4096",
+                           "--rounds", "3", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
-    assert rows["per rank"]["bitwise_equal"] and rows["per node"]["bitwise_equal"]
+    assert all(row["bitwise_equal"] for row in rows.values())
     assert rows["per node"]["node_bytes"] < 0.6 * rows["per rank"]["node_bytes"]
+    state = rows["per node"]["state_bytes"]
+    assert rows["per node"]["largest_snapshot_bytes"] < 0.55 * state
+    assert rows["per node, whole tensors"]["largest_snapshot_bytes"] > 0.6 * state

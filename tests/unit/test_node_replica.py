@@ -1,5 +1,6 @@
-"""A data-parallel replica kept once per node in T1 (checkpoint/node_replica.py): the deal of tensors to
-local ranks, a node snapshot put back together bitwise, a step that a local rank lacks (never written,
+"""A data-parallel replica kept once per node in T1 (checkpoint/node_replica.py): the deal of the
+replica's bytes to local ranks (a tensor split where a boundary falls in it), a node snapshot put back
+together bitwise, a step that a local rank lacks (never written,
 or torn) not offered, and the T2 writer's whole snapshot used as it is."""
 
 from __future__ import annotations
@@ -17,14 +18,46 @@ from undying.checkpoint.state_tree import flatten_state
 LOCAL_RANKS = [2, 3]  # node 1 of a job with 2 ranks per node
 
 
-def test_the_deal_balances_bytes_and_is_the_same_for_every_rank() -> None:
-    sizes = [400, 100, 100, 100, 100, 50, 50]
-    owners = deal(sizes, 2)
-    assert owners == deal(list(sizes), 2)
-    load = [sum(size for size, owner in zip(sizes, owners, strict=True) if owner == part) for part in (0, 1)]
-    assert load == [450, 450]
-    assert deal(sizes, 1) == [0] * len(sizes)
-    assert sorted(set(deal(sizes, 4))) == [0, 1, 2, 3]
+def part_bytes(pieces: list[tuple[int, int, int]], element_sizes: list[int]) -> int:
+    return sum((stop - first) * element_sizes[index] for index, first, stop in pieces)
+
+
+def test_the_deal_splits_bytes_evenly_and_is_the_same_for_every_rank() -> None:
+    # An embedding of 4000 bytes beside small tensors: dealt whole, one rank would copy most of it.
+    tensors = [(1000, 4, True), (25, 4, True), (25, 4, True), (100, 2, True), (50, 1, True)]
+    sizes = [element_size for _, element_size, _ in tensors]
+    total = sum(numel * element_size for numel, element_size, _ in tensors)
+    for parts in (1, 2, 3, 4, 8):
+        dealt = deal(tensors, parts)
+        assert dealt == deal(list(tensors), parts)
+        loads = [part_bytes(pieces, sizes) for pieces in dealt]
+        assert sum(loads) == total
+        assert max(loads) - min(loads) <= 2 * max(sizes), (parts, loads)  # equal to an element either way
+        for index, (numel, _, _) in enumerate(tensors):  # every element of every tensor in exactly one piece
+            spans = sorted((first, stop) for pieces in dealt for i, first, stop in pieces if i == index)
+            assert spans[0][0] == 0 and spans[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert deal(tensors, 1) == [[(index, 0, numel) for index, (numel, _, _) in enumerate(tensors)]]
+
+
+def test_a_tensor_that_is_not_contiguous_goes_whole_to_one_rank() -> None:
+    tensors = [(10, 4, True), (1000, 4, False), (10, 4, True)]
+    dealt = deal(tensors, 2)
+    assert [pieces for pieces in dealt if (1, 0, 1000) in pieces] and all(
+        index != 1 or (first, stop) == (0, 1000) for pieces in dealt for index, first, stop in pieces)
+
+
+def test_a_large_tensor_split_across_ranks_is_put_back_together(tmp_path: Path) -> None:
+    state = training_state()
+    state[REPLICA]["models"][0]["embedding"] = torch.randn(300, 40)  # most of the replica's bytes
+    state[REPLICA]["models"][0]["transposed"] = torch.randn(40, 30).t()  # not contiguous: dealt whole
+    write_node(tmp_path, 7, state)
+    parts = [RankSnapshots(tmp_path, rank).committed()[0].nbytes for rank in LOCAL_RANKS]
+    assert max(parts) < 1.2 * min(parts)
+    for rank in LOCAL_RANKS:
+        read = reader(tmp_path, rank).read(7, live={})
+        assert_same(read[REPLICA], state[REPLICA])
+        assert read[REPLICA]["models"][0]["embedding"].shape == (300, 40)
 
 
 def write_node(directory: Path, step: int, state: dict, whole_on: int | None = None,

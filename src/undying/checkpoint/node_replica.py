@@ -4,9 +4,11 @@ its part, and a reader puts the node's parts back together.
 Runs in the worker: the training thread writes its part (``replica_part``, for runtime/snapshots.py),
 and a restart or a repair from node memory reads the node's snapshot of a step (``NodeReplica``).
 Data-parallel ranks hold the same model and optimizer state after every commit, so keeping it in
-every rank's slots multiplies host memory by the ranks per node; here the replica's tensors are
-dealt out to the node's local ranks (whole tensors, balanced by bytes, the same deal on every rank),
-and each rank copies only its part, beside its own state (RNG, registered objects). A snapshot of
+every rank's slots multiplies host memory by the ranks per node; here the replica's bytes are
+dealt out to the node's local ranks in equal ranges (the same deal on every rank): the tensors in
+their order, a range boundary falling inside a tensor splitting it into pieces (a model whose
+embedding outweighs a rank's share copies no more on one rank than on another). Each rank copies only
+its part, beside its own state (RNG, registered objects). A snapshot of
 a step exists on the node when every local rank's slot holds its part of it, each behind its own
 commit word (checkpoint/snapshot_slot.py). The rank that writes a T2 checkpoint keeps the whole
 replica in its snapshot of that checkpoint's step (its persister reads nothing but its own slot).
@@ -16,6 +18,7 @@ Not for sharded jobs (each rank's shard differs) nor without node shared memory.
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,28 +33,48 @@ PART = "replica_part"  # a snapshot's key for its part of the node's replica sta
 REPLICA = "replica"  # ... for the whole replica state (every snapshot of a job that does not share it)
 
 
-def deal(sizes: Sequence[int], parts: int) -> list[int]:
-    """The part (0 .. parts-1) each of the tensors of ``sizes`` bytes goes to: largest first, each to
-    the part holding the fewest bytes so far (ties: the lower part). A pure function of its inputs,
-    so every rank of the node deals alike."""
-    load = [0] * parts
-    owners = [0] * len(sizes)
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        owner = min(range(parts), key=lambda part: (load[part], part))
-        owners[index] = owner
-        load[owner] += sizes[index]
-    return owners
+Piece = tuple[int, int, int]  # (index of a tensor in the flattened replica, first element, end element)
+
+
+def deal(tensors: Sequence[tuple[int, int, bool]], parts: int) -> list[list[Piece]]:
+    """Each part's pieces of the tensors given as (elements, bytes per element, splittable): the
+    tensors' bytes, in order, cut into ``parts`` ranges of equal size, a cut inside a splittable tensor
+    at an element boundary; a tensor that is not splittable (not contiguous: no flat view) goes whole
+    to the part its first byte falls in. A pure function of its inputs, so every rank of the node deals alike."""
+    total = sum(numel * element_size for numel, element_size, _ in tensors)
+    ends = [total * (part + 1) // parts for part in range(parts)]  # the byte offset where each part ends
+    pieces: list[list[Piece]] = [[] for _ in range(parts)]
+    part, offset = 0, 0
+    for index, (numel, element_size, splittable) in enumerate(tensors):
+        first = 0
+        while True:
+            while part < parts - 1 and offset + first * element_size >= ends[part]:
+                part += 1
+            whole = not splittable or part == parts - 1
+            stop = numel if whole else min(numel, -(-(ends[part] - offset) // element_size))
+            pieces[part].append((index, first, stop))
+            first = stop
+            if first >= numel:
+                break
+        offset += numel * element_size
+    return pieces
 
 
 def replica_part(replica: Any, local_index: int, local_count: int) -> dict[str, Any]:
     """Local rank ``local_index``'s part of ``replica``: the skeleton (small: everything but tensors;
     pickled, so that the snapshot's own walk over its tree leaves its tensor references alone), how
-    many tensors the whole has, and the indices and tensors dealt to this rank."""
+    many tensors the whole has, and this rank's pieces (``deal``) with each piece's tensor: the tensor
+    itself where the piece is all of it, else a flat view of its elements."""
     skeleton, tensors = flatten_state(replica)
-    owners = deal([tensor.numel() * tensor.element_size() for tensor in tensors], local_count)
-    mine = [index for index, owner in enumerate(owners) if owner == local_index]
+    mine = deal([(tensor.numel(), tensor.element_size(), tensor.is_contiguous()) for tensor in tensors],
+                local_count)[local_index]
     return {"skeleton": pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), "count": len(tensors),
-            "index": mine, "tensors": [tensors[i] for i in mine]}
+            "pieces": [[index, first, stop, list(tensors[index].shape)] for index, first, stop in mine],
+            "tensors": [_piece(tensors[index], first, stop) for index, first, stop in mine]}
+
+
+def _piece(tensor: torch.Tensor, first: int, stop: int) -> torch.Tensor:
+    return tensor if (first, stop) == (0, tensor.numel()) else tensor.reshape(-1)[first:stop]
 
 
 class NodeReplica:
@@ -129,7 +152,7 @@ def _parts_fit(step: int, ranks: list[RankSnapshots]) -> bool:
             state = snapshots.read_slot(slot, clone=False)
             if REPLICA in state:
                 return True
-            parts.append({"count": state[PART]["count"], "index": state[PART]["index"]})
+            parts.append({"count": state[PART]["count"], "pieces": state[PART]["pieces"]})
             del state  # views into the slot
         finally:
             snapshots.unpin(slot)
@@ -137,28 +160,59 @@ def _parts_fit(step: int, ranks: list[RankSnapshots]) -> bool:
 
 
 def _why_parts_do_not_fit(parts: list[dict[str, Any]]) -> str | None:
-    """Why ``parts`` do not make one replica (their tensor counts differ, or a tensor is in none), or None."""
+    """Why ``parts`` do not make one replica (their tensor counts differ, a tensor's pieces disagree on
+    its shape, or leave some of its elements in no part), or None."""
     counts = {part["count"] for part in parts}
     if len(counts) != 1:
         return f"hold different tensor counts ({sorted(counts)})"
     count = counts.pop()
-    covered = {index for part in parts for index in part["index"]}
-    if covered != set(range(count)):
-        return f"cover {len(covered & set(range(count)))} of its {count} tensors"
+    spans: dict[int, list[tuple[int, int]]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    for part in parts:
+        for index, first, stop, shape in part["pieces"]:
+            if shapes.setdefault(index, tuple(shape)) != tuple(shape):
+                return f"disagree on the shape of tensor {index}"
+            spans.setdefault(index, []).append((first, stop))
+    whole = [index for index in range(count) if _covered(sorted(spans.get(index, [])), math.prod(shapes.get(index, ())))]
+    if len(whole) != count:
+        return f"cover {len(whole)} of its {count} tensors"
     return None
+
+
+def _covered(spans: list[tuple[int, int]], numel: int) -> bool:
+    """Do the sorted ``spans`` cover elements 0 .. ``numel`` - 1, each once?"""
+    end = 0
+    for first, stop in spans:
+        if first != end:
+            return False
+        end = stop
+    return bool(spans) and end == numel
 
 
 def _whole(replica: Any, skeleton: Any) -> dict[str, Any]:
     """A whole replica as the one part that holds every tensor, under this rank's ``skeleton``."""
     _, tensors = flatten_state(replica)
-    return {"skeleton": skeleton, "count": len(tensors), "index": list(range(len(tensors))), "tensors": tensors}
+    return {"skeleton": skeleton, "count": len(tensors), "tensors": tensors,
+            "pieces": [[index, 0, tensor.numel(), list(tensor.shape)] for index, tensor in enumerate(tensors)]}
 
 
 def _assemble(parts: list[dict[str, Any]]) -> Any:
     """The replica from parts that fit (``_why_parts_do_not_fit``), under the first part's skeleton
-    (this rank's own values)."""
-    tensors: dict[int, torch.Tensor] = {}
+    (this rank's own values). A tensor held whole by one part is that part's (a view into its slot); a
+    split one is put together in fresh memory."""
+    pieces: dict[int, list[tuple[int, int, list[int], torch.Tensor]]] = {}
     for part in parts:
-        tensors.update(zip(part["index"], part["tensors"], strict=True))
+        for (index, first, stop, shape), tensor in zip(part["pieces"], part["tensors"], strict=True):
+            pieces.setdefault(index, []).append((first, stop, shape, tensor))
+    tensors = []
+    for index in range(parts[0]["count"]):
+        held = sorted(pieces[index], key=lambda piece: piece[0])
+        if len(held) == 1:
+            tensors.append(held[0][3])
+            continue
+        joined = torch.empty(held[-1][1], dtype=held[0][3].dtype)
+        for first, stop, _, tensor in held:
+            joined[first:stop].copy_(tensor)
+        tensors.append(joined.view(held[0][2]))
     skeleton = pickle.loads(parts[0]["skeleton"])  # noqa: S301 - this node's own shared memory, as every T1 read
-    return unflatten_state(skeleton, [tensors[index] for index in range(parts[0]["count"])])
+    return unflatten_state(skeleton, tensors)
