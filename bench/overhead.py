@@ -81,9 +81,9 @@ def rate(times: dict[int, float], first: int) -> float | None:
 
 def windows(times: dict[int, float]) -> list[float]:
     """Milliseconds per step over each ``WINDOW_STEPS`` steps of a run (its first recorded step to its last)."""
-    rows = []
+    rows, ordered = [], sorted(times)
     for first in range(0, max(times, default=0) + 1, WINDOW_STEPS):
-        steps = [step for step in sorted(times) if first <= step < first + WINDOW_STEPS]
+        steps = [step for step in ordered if first <= step < first + WINDOW_STEPS]
         if len(steps) > 1 and times[steps[-1]] > times[steps[0]]:
             rows.append(round(1000 * (times[steps[-1]] - times[steps[0]]) / (steps[-1] - steps[0]), 1))
     return rows

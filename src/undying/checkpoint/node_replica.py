@@ -50,8 +50,8 @@ def deal(tensors: Sequence[tuple[int, int, bool]], parts: int) -> list[list[Piec
         while True:
             while part < parts - 1 and offset + first * element_size >= ends[part]:
                 part += 1
-            whole = not splittable or part == parts - 1
-            stop = numel if whole else min(numel, -(-(ends[part] - offset) // element_size))
+            to_the_end = not splittable or part == parts - 1  # the tensor's rest goes to this part
+            stop = numel if to_the_end else min(numel, -(-(ends[part] - offset) // element_size))
             pieces[part].append((index, first, stop))
             first = stop
             if first >= numel:
@@ -173,9 +173,9 @@ def _why_parts_do_not_fit(parts: list[dict[str, Any]]) -> str | None:
             if shapes.setdefault(index, tuple(shape)) != tuple(shape):
                 return f"disagree on the shape of tensor {index}"
             spans.setdefault(index, []).append((first, stop))
-    whole = [index for index in range(count) if _covered(sorted(spans.get(index, [])), math.prod(shapes.get(index, ())))]
-    if len(whole) != count:
-        return f"cover {len(whole)} of its {count} tensors"
+    covered = [index for index in range(count) if _covered(sorted(spans.get(index, [])), math.prod(shapes.get(index, ())))]
+    if len(covered) != count:
+        return f"cover {len(covered)} of its {count} tensors"
     return None
 
 
