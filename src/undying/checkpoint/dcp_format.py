@@ -166,10 +166,9 @@ def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False, keys: s
 
     Raises ``CorruptCheckpoint`` if the bytes do not match or DCP cannot read them.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from undying.checkpoint.dcp_reader import AdoptingPlanner, reader_for
 
     names = [record.name for record in ckpt.manifest.files
              if record.name == DCP_METADATA or record.name.endswith(DCP_DATA_SUFFIX)]
@@ -177,9 +176,8 @@ def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False, keys: s
         verify_files(ckpt, names)
     state: dict[str, Any] = {}
     try:
-        reader = FsspecReader(ckpt.path) if is_url(ckpt.path) else FileSystemReader(ckpt.path)
-        _load_state_dict(state, storage_reader=reader,
-                         planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+        _load_state_dict(state, storage_reader=reader_for(ckpt.path, is_url(ckpt.path)),
+                         planner=AdoptingPlanner(keys=keys), no_dist=True)
         return from_dcp(state)
     except Exception as error:  # noqa: BLE001 - any failure to parse verified bytes means unusable
         raise CorruptCheckpoint(f"{ckpt.path}: DCP shard unreadable ({error!r})") from error

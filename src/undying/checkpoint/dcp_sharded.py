@@ -128,10 +128,9 @@ def save_sharded(staging: Location, state_dict: dict[str, Any], exchange: Exchan
 
 
 def reader(ckpt: CommittedCheckpoint) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from undying.checkpoint.dcp_reader import reader_for
 
-    return FsspecReader(ckpt.path) if is_url(ckpt.path) else FileSystemReader(ckpt.path)
+    return reader_for(ckpt.path, is_url(ckpt.path))
 
 
 def verify_sharded(ckpt: CommittedCheckpoint) -> None:
