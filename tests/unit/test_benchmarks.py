@@ -1,5 +1,6 @@
 """The benchmarks still run against the current API: the checkpoint benchmark (a smoke run at 4M
-parameters), the control-plane scale simulation (64 ranks), and T1 per node (two ranks, small)."""
+parameters), the control-plane scale simulation (64 ranks), T1 per node (two ranks, small) and the T2
+load (two layers, page cache warm)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,15 @@ def test_t1_per_node_benchmark_reads_back_bitwise_halves_the_memory_and_splits_t
     state = rows["per node"]["state_bytes"]
     assert rows["per node"]["largest_snapshot_bytes"] < 0.55 * state
     assert rows["per node, whole tensors"]["largest_snapshot_bytes"] > 0.6 * state
+
+
+def test_t2_load_benchmark_loads_the_same_state_every_way(tmp_path: Path) -> None:
+    """Each case of the T2 load bench (undying's read, the read before it, torch.load) in a fresh
+    process ends with the same parameter and optimizer-state digest."""
+    out = tmp_path / "t2_load.json"
+    done = subprocess.run([sys.executable, "bench/t2_load.py", "--layers", "2", "--repeats", "1", "--caches", "warm",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["bitwise_equal"] and len(result["rows"]) == 3
+    assert all(row["load_s"] > 0 and row["peak_rss_growth_mib"] > 0 for row in result["rows"])

@@ -86,6 +86,34 @@ def test_an_adopted_tensor_holds_its_own_bytes_only(tmp_path: Path) -> None:
     assert len({tensor.untyped_storage().data_ptr() for tensor in tensors}) == len(tensors)
 
 
+def test_a_tensor_saved_in_chunks_is_put_together_not_replaced_by_one_chunk() -> None:
+    """A tensor a sharded job saved in two chunks: each read item covers half of its placeholder, so
+    each chunk is copied into its half; neither becomes the whole value."""
+    import threading
+
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from undying.checkpoint.dcp_reader import _place
+
+    halves = [ChunkStorageMetadata(offsets=torch.Size([row, 0]), sizes=torch.Size([4, 4])) for row in (0, 4)]
+    metadata = Metadata(state_dict_metadata={"w": TensorStorageMetadata(
+        properties=TensorProperties(dtype=torch.float32), size=torch.Size([8, 4]), chunks=halves)},
+        planner_data={"w": ("w",)})
+    state: dict[str, Any] = {}
+    planner = AdoptingPlanner()
+    planner.set_up_planner(state, metadata)
+    items = planner.create_local_plan().items
+    assert len(items) == 2
+    for item in items:
+        _place(item, torch.full((4, 4), float(item.dest_offsets[0] + 1)), planner, threading.Lock())
+    assert torch.equal(state["w"], torch.cat([torch.full((4, 4), 1.0), torch.full((4, 4), 5.0)]))
+
+
 def test_keys_select_what_is_read(tmp_path: Path) -> None:
     save(tmp_path, varied_state(), thread_count=2)
     state = load(ParallelFileReader(tmp_path), AdoptingPlanner, keys={"extras"})

@@ -49,13 +49,20 @@ class AdoptingPlanner(_EmptyStateDictLoadPlanner):
     """Rebuilds the saved state dict from the metadata (DCP's empty-state-dict planner) and takes a
     tensor read whole as the value itself, in place of the placeholder it allocated for it."""
 
-    def adopt(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+    def adopt(self, read_item: ReadItem, tensor: torch.Tensor) -> bool:
+        """Take ``tensor`` as the value ``read_item`` names, if it is the whole of it (not one chunk of
+        a tensor saved in several) with its dtype and owns exactly its own bytes; False: copy it."""
         from torch.distributed.checkpoint._traverse import set_element
 
+        placeholder = self.lookup_tensor(read_item.dest_index)
+        owned = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        if placeholder.size() != tensor.size() or placeholder.dtype != tensor.dtype or not owned:
+            return False
         fqn = read_item.dest_index.fqn
         self.state_dict[fqn] = tensor
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], tensor)
+        return True
 
 
 class ParallelReads:
@@ -114,26 +121,18 @@ class ParallelFsspecReader(ParallelReads, FsspecReader):
 
 
 def _place(read_item: ReadItem, tensor: torch.Tensor, planner: LoadPlanner, lock: threading.Lock) -> None:
-    """Hand ``tensor`` (what ``read_item`` names) to the planner: adopted whole where it can be,
-    else copied into the target the planner resolves, as DCP does."""
-    adopt: Callable[[ReadItem, torch.Tensor], None] | None = getattr(planner, "adopt", None)
+    """Hand ``tensor`` (what ``read_item`` names) to the planner: adopted where an ``AdoptingPlanner``
+    takes it, else copied into the target the planner resolves, as DCP does."""
+    adopt: Callable[[ReadItem, torch.Tensor], bool] | None = getattr(planner, "adopt", None)
     with lock:
         target = planner.resolve_tensor(read_item).detach()
-    if target.size() != tensor.size():
-        raise AssertionError(f"read item {read_item.storage_index}: sizes differ, {target.size()} vs {tensor.size()}")
-    if adopt is not None and target.dtype == tensor.dtype and target.numel() == _stored_numel(tensor):
-        with lock:
-            adopt(read_item, tensor)
-        return
+        if target.size() != tensor.size():
+            raise AssertionError(f"read item {read_item.storage_index}: sizes differ, {target.size()} vs {tensor.size()}")
+        if adopt is not None and adopt(read_item, tensor):
+            return
     target.copy_(tensor)
     with lock:
         planner.commit_tensor(read_item, target)
-
-
-def _stored_numel(tensor: torch.Tensor) -> int:
-    """Elements of the storage ``tensor`` views: equal to its own count when it is the whole record
-    (an adopted narrow view would keep the rest of the record alive)."""
-    return tensor.untyped_storage().nbytes() // max(tensor.element_size(), 1)
 
 
 def reader_for(path: str | os.PathLike[str], url: bool) -> FileSystemReader:
