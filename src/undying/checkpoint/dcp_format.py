@@ -32,7 +32,6 @@ from undying.checkpoint.storage import (
     CorruptCheckpoint,
     FileRecord,
     Location,
-    is_url,
     verify_files,
 )
 
@@ -176,7 +175,7 @@ def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False, keys: s
         verify_files(ckpt, names)
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=reader_for(ckpt.path, is_url(ckpt.path)),
+        _load_state_dict(state, storage_reader=reader_for(ckpt.path),
                          planner=AdoptingPlanner(keys=keys), no_dist=True)
         return from_dcp(state)
     except Exception as error:  # noqa: BLE001 - any failure to parse verified bytes means unusable

@@ -26,11 +26,9 @@ worker's start.
 
 from __future__ import annotations
 
+import functools
 import io
-import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, cast
 
 import torch
@@ -41,6 +39,9 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
+
+from undying.checkpoint.side_by_side import side_by_side
+from undying.checkpoint.storage import Location, is_url
 
 READ_THREADS = 4  # data files read at once: a shared shard has one or two, a sharded checkpoint one per rank
 
@@ -79,15 +80,8 @@ class ParallelReads:
         for read_item in plan.items:
             per_file.setdefault(self.storage_data[read_item.storage_index].relative_path, []).append(read_item)
         lock = threading.Lock()
-        if len(per_file) == 1:
-            [(relative_path, items)] = per_file.items()
-            self._read_file(relative_path, items, planner, lock)
-        else:
-            with ThreadPoolExecutor(min(len(per_file), READ_THREADS), thread_name_prefix="undying-t2-read") as pool:
-                reads = [pool.submit(self._read_file, relative_path, items, planner, lock)
-                         for relative_path, items in per_file.items()]
-                for read in reads:
-                    read.result()
+        side_by_side([functools.partial(self._read_file, relative_path, items, planner, lock)
+                      for relative_path, items in per_file.items()], READ_THREADS, "undying-t2-read")
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -123,18 +117,17 @@ class ParallelFsspecReader(ParallelReads, FsspecReader):
 def _place(read_item: ReadItem, tensor: torch.Tensor, planner: LoadPlanner, lock: threading.Lock) -> None:
     """Hand ``tensor`` (what ``read_item`` names) to the planner: adopted where an ``AdoptingPlanner``
     takes it, else copied into the target the planner resolves, as DCP does."""
-    adopt: Callable[[ReadItem, torch.Tensor], bool] | None = getattr(planner, "adopt", None)
     with lock:
         target = planner.resolve_tensor(read_item).detach()
         if target.size() != tensor.size():
             raise AssertionError(f"read item {read_item.storage_index}: sizes differ, {target.size()} vs {tensor.size()}")
-        if adopt is not None and adopt(read_item, tensor):
+        if isinstance(planner, AdoptingPlanner) and planner.adopt(read_item, tensor):
             return
     target.copy_(tensor)
     with lock:
         planner.commit_tensor(read_item, target)
 
 
-def reader_for(path: str | os.PathLike[str], url: bool) -> FileSystemReader:
+def reader_for(location: Location) -> FileSystemReader:
     """The storage reader of a verified DCP directory, a local one or behind a URL."""
-    return ParallelFsspecReader(path) if url else ParallelFileReader(path)
+    return ParallelFsspecReader(location) if is_url(location) else ParallelFileReader(location)

@@ -27,7 +27,6 @@ from undying.checkpoint.storage import (
     CorruptCheckpoint,
     FileRecord,
     Location,
-    is_url,
     verify_files,
 )
 
@@ -130,7 +129,7 @@ def save_sharded(staging: Location, state_dict: dict[str, Any], exchange: Exchan
 def reader(ckpt: CommittedCheckpoint) -> Any:
     from undying.checkpoint.dcp_reader import reader_for
 
-    return reader_for(ckpt.path, is_url(ckpt.path))
+    return reader_for(ckpt.path)
 
 
 def verify_sharded(ckpt: CommittedCheckpoint) -> None:

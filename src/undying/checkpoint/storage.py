@@ -35,11 +35,11 @@ and a store whose listings lag its writes may not show the newest checkpoint yet
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,7 @@ from undying.checkpoint.manifest import (
     generation_dirname,
     json_normalized,
 )
+from undying.checkpoint.side_by_side import side_by_side
 from undying.checkpoint.url_backend import UrlBackend
 
 __all__ = [
@@ -347,16 +348,10 @@ def _manifest_of(stored: StoredManifest) -> Manifest:
 
 
 def _verify_records(directory: Location, records: list[FileRecord]) -> None:
-    backend = backend_for(directory)
-    if len(records) < 2:
-        for record in records:
-            _verify_record(backend, directory, record)
-        return
     # The reads and the CRC-32 release the GIL: files of a cold checkpoint are read side by side.
-    with ThreadPoolExecutor(min(len(records), VERIFY_THREADS), thread_name_prefix="undying-verify") as pool:
-        checks = [pool.submit(_verify_record, backend, directory, record) for record in records]
-        for check in checks:
-            check.result()
+    backend = backend_for(directory)
+    side_by_side([functools.partial(_verify_record, backend, directory, record) for record in records],
+                 VERIFY_THREADS, "undying-verify")
 
 
 def _verify_record(backend: StorageBackend, directory: Location, record: FileRecord) -> None:
