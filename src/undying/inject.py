@@ -17,6 +17,11 @@ handling of the first. ``:at=persist`` fires it in the worker's background persi
 after the shared shard's files are written and before the checkpoint is committed
 (``step=``, if given, is the step being persisted).
 
+``:committed=C`` makes the fault wait, at its point, until the checkpoint of step C is committed
+in the job's checkpoint root (at most ``COMMIT_WAIT_S``): a test whose premise is "the fault
+finds step C in storage" then holds however slowly the background persister runs. Its
+``injection`` event records the wait and whether the checkpoint was there.
+
 Each injection fires at most once per job: the worker asks the controller to
 claim it first, so a replayed step after a restart does not fault again. Parsing
 runs in the CLI; firing runs in the worker.
@@ -31,8 +36,9 @@ from dataclasses import dataclass
 
 KINDS = {"kill": "rank", "node": "node", "hang": "rank", "raise": "rank", "stall": "rank"}
 SYNTAX = ("KIND:rank=R:step=S (KIND: kill, hang, raise, stall) or node:node=N:step=S[:down=SECONDS], "
-          "optionally :at=recovery|dump|persist")
+          "optionally :at=recovery|dump|persist and :committed=STEP")
 POINTS = ("step", "recovery", "dump", "persist")
+COMMIT_WAIT_S = 60.0  # the longest a ``committed=`` injection waits for its checkpoint
 
 
 class InjectionSpecError(ValueError):
@@ -52,13 +58,15 @@ class Injection:
     node: int | None = None
     at: str = "step"
     down: int | None = None  # node faults: seconds before the simulated node is rescheduled
+    committed: int | None = None  # fire only once the checkpoint of this step is committed
 
     def text(self) -> str:
         target = f"node={self.node}" if self.kind == "node" else f"rank={self.rank}"
         step = "" if self.step is None else f":step={self.step}"
         point = "" if self.at == "step" else f":at={self.at}"
         down = "" if self.down is None else f":down={self.down}"
-        return f"{self.kind}:{target}{step}{point}{down}"
+        committed = "" if self.committed is None else f":committed={self.committed}"
+        return f"{self.kind}:{target}{step}{point}{down}{committed}"
 
     def targets(self, rank: int, node: int, local_rank: int, step: int) -> bool:
         """Does this injection fire in this worker at this step? (A node fault fires on local rank 0.)"""
@@ -84,13 +92,14 @@ def parse_injection(text: str, index: int = 0) -> Injection:
             point = value
             values["at"] = 0
             continue
-        allowed = ("rank", "node", "step", "down") if kind == "node" else ("rank", "node", "step")
+        allowed = ("rank", "node", "step", "committed", "down") if kind == "node" else ("rank", "node", "step", "committed")
         if (not sep or key not in allowed or key in values
                 or not value.removeprefix("-").isdecimal()):
             raise InjectionSpecError(f"--inject {text!r}: bad field {part!r}; syntax: {SYNTAX}")
         values[key] = int(value)
     values.pop("at", None)
     down = values.pop("down", None)
+    committed = values.pop("committed", None)
     target_key = KINDS[kind]
     required = {target_key} if point != "step" else {"step", target_key}
     if not required <= set(values) or not set(values) <= {"step", target_key}:
@@ -100,7 +109,9 @@ def parse_injection(text: str, index: int = 0) -> Injection:
         raise InjectionSpecError(f"--inject {text!r}: {target_key} and step must be >= 0; syntax: {SYNTAX}")
     if down is not None and down < 0:
         raise InjectionSpecError(f"--inject {text!r}: down must be >= 0; syntax: {SYNTAX}")
-    return Injection(index=index, kind=kind, step=values.get("step"), at=point, down=down,
+    if committed is not None and committed < 0:
+        raise InjectionSpecError(f"--inject {text!r}: committed must be >= 0; syntax: {SYNTAX}")
+    return Injection(index=index, kind=kind, step=values.get("step"), at=point, down=down, committed=committed,
                      **{target_key: values[target_key]})
 
 

@@ -197,7 +197,7 @@ def test_a_job_restart_after_a_shrink_restores_from_storage_at_the_shrunk_size(
     the shrunk size, so the restart loads the step-10 checkpoint the four ranks wrote and splits
     its global batch over the two members (without their rank files: other members wrote it)."""
     run = run_elastic(tmp_path, ["--set", "checkpoint.snapshot_interval=0",
-                                 "--inject", "node:node=1:step=13:down=600", "--inject", "kill:rank=1:step=17"],
+                                 "--inject", "node:node=1:step=13:down=600:committed=10", "--inject", "kill:rank=1:step=17"],
                       script_args=["--step-sleep", "0.1"])
     assert_same_samples_and_close(run, reference_run, STEPS, rerun=True)
     [begin] = run.kinds(ev.RESTART_BEGIN)

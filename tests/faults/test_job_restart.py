@@ -95,8 +95,10 @@ def test_a_worker_killed_during_an_overlapped_snapshot_restarts_from_a_complete_
 
 
 def test_killed_node_job_restarts_bitwise_equal(reference_run: JobRun, tmp_path: Path) -> None:
-    run = run_job(tmp_path, ["--inject", "node:node=1:step=15"])
-    # The lost node's memory is gone with it: back to the step-10 checkpoint in storage.
+    # The lost node's memory is gone with it: back to the step-10 checkpoint in storage. The node
+    # dies once that checkpoint is committed (committed=10): the background persister may still be
+    # writing it five steps later on a loaded machine, and then the restart rightly starts afresh.
+    run = run_job(tmp_path, ["--inject", "node:node=1:step=15:committed=10"])
     assert_recovered_bitwise(run, reference_run, "agent_lost")
     assert run.kinds(ev.AGENT_RESPAWNED), "the lost node's agent must come back"
 

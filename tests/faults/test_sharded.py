@@ -114,7 +114,7 @@ def test_a_job_restart_restores_every_rank_its_own_shard(hsdp_reference: JobRun,
 def test_a_job_restart_from_storage_loads_every_rank_its_own_shard(hsdp_reference: JobRun, tmp_path: Path) -> None:
     """A lost node takes its ranks' T1 snapshots with it: the restart reads the periodic checkpoint of
     step 10 from storage, each rank its own shard from its rank file."""
-    run = run_job(tmp_path, ["--set", "checkpoint.snapshot_interval=0", "--inject", "node:node=1:step=15"],
+    run = run_job(tmp_path, ["--set", "checkpoint.snapshot_interval=0", "--inject", "node:node=1:step=15:committed=10"],
                   script_args=MESH)
     assert_bitwise(run, hsdp_reference)
     loads = run.kinds(ev.CHECKPOINT_LOAD)

@@ -26,6 +26,8 @@ from undying.inject import (
         ("raise:rank=3:step=12", Injection(0, "raise", 12, rank=3)),
         ("node:node=1:step=7", Injection(0, "node", 7, node=1)),
         ("kill:step=5:rank=1", Injection(0, "kill", 5, rank=1)),
+        ("node:node=1:step=15:committed=10", Injection(0, "node", 15, node=1, committed=10)),
+        ("kill:rank=0:at=recovery:committed=0", Injection(0, "kill", None, rank=0, at="recovery", committed=0)),
         ("  kill:rank=1:step=5\n", Injection(0, "kill", 5, rank=1)),
     ],
 )
@@ -34,9 +36,10 @@ def test_parse_each_kind(text, expected):
 
 
 def test_parse_keeps_the_index_and_text_round_trips():
-    texts = ["kill:rank=1:step=5", "node:node=0:step=9", "hang:rank=2:step=3", "raise:rank=0:step=1"]
+    texts = ["kill:rank=1:step=5", "node:node=0:step=9", "hang:rank=2:step=3", "raise:rank=0:step=1",
+             "node:node=1:step=15:down=2:committed=10"]
     injections = parse_injections(texts)
-    assert [injection.index for injection in injections] == [0, 1, 2, 3]
+    assert [injection.index for injection in injections] == [0, 1, 2, 3, 4]
     assert [injection.text() for injection in injections] == texts
     for injection in injections:
         assert parse_injection(injection.text(), injection.index) == injection
@@ -80,6 +83,9 @@ def test_decode_of_nothing_is_no_injections():
         "kill:rank=-1:step=1",
         "kill:rank=0:step=-2",
         "node:node=-1:step=0",
+        "node:node=1:step=15:committed=-1",
+        "node:node=1:step=15:committed=",
+        "kill:rank=0:step=1:committed=1:committed=2",
         "kill: rank=0:step=1",
         "kill:rank=0\n:step=1",
     ],
@@ -135,3 +141,51 @@ def test_a_node_injection_fires_on_its_nodes_local_rank_zero_only():
 def test_a_raise_injection_raises_in_the_caller():
     with pytest.raises(InjectedFault, match="raise:rank=0:step=2"):
         fire(parse_injection("raise:rank=0:step=2"))
+
+
+class _Reporter:
+    """What InjectionPoints needs of the worker's reporter: the claim and the event."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int | None, dict]] = []
+
+    def claim_injection(self, index: int, step: int) -> bool:
+        return True
+
+    def emit(self, kind: str, step: int | None = None, **details) -> None:
+        self.events.append((kind, step, details))
+
+
+def test_a_committed_injection_waits_for_its_checkpoint_before_firing():
+    """``committed=10``: the injection is not fired until the checkpoint of step 10 is committed."""
+    from undying.runtime.injection_points import InjectionPoints
+
+    polls: list[int] = []
+
+    def is_committed(step: int) -> bool:
+        polls.append(step)
+        return len(polls) >= 3  # committed at the third look
+
+    reporter = _Reporter()
+    points = InjectionPoints([parse_injection("raise:rank=0:step=15:committed=10")], reporter, 0, 0, 0, is_committed)
+    points.at_step_start(15)  # a raise fires inside the step body, not at its start
+    assert polls == []
+    with pytest.raises(InjectedFault):
+        points.in_step_body(15)
+    assert polls == [10, 10, 10]
+    [(kind, step, details)] = reporter.events
+    assert (kind, step, details["committed_found"]) == ("injection", 15, True)
+    assert details["committed_wait"] > 0
+
+
+def test_an_injection_without_committed_never_looks_at_storage():
+    from undying.runtime.injection_points import InjectionPoints
+
+    def is_committed(step: int) -> bool:
+        raise AssertionError("looked at storage")
+
+    reporter = _Reporter()
+    points = InjectionPoints([parse_injection("raise:rank=0:step=15")], reporter, 0, 0, 0, is_committed)
+    with pytest.raises(InjectedFault):
+        points.in_step_body(15)
+    assert reporter.events == [("injection", 15, {"spec": "raise:rank=0:step=15"})]

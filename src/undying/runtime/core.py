@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from undying import events as ev
+from undying.checkpoint.storage import list_committed
 from undying.config import JobSpec
 from undying.data import ResumableLoader
 from undying.inject import decode
@@ -100,8 +101,10 @@ class Runtime:
         if not self.joining:
             self.membership.build_group()
         self.state = TrainingState(holds_state=not self.joining)
+        root = checkpoint_root(self.spec, self.run_dir)
         self.injections = InjectionPoints(decode(env.injections_text), self.reporter, self.rank, self.node,
-                                          self.local_rank)
+                                          self.local_rank,
+                                          lambda step: any(c.step == step for c in list_committed(root)))
         self._resumed_from: int | None = None
         self.finished = False
         self._loop_state_registered = False
@@ -111,7 +114,7 @@ class Runtime:
                                     env.store_prefix, self.rank, self.reporter,
                                     backup_address=lambda: self.reporter.mirror_store)
         self.checkpoints = CheckpointEngine(self.spec, self.state, self.membership, self.reporter, self.injections,
-                                            checkpoint_root(self.spec, self.run_dir), env.job_id, env.token)
+                                            root, env.job_id, env.token)
         self.recovery = RecoveryClient(self.spec, self.membership, self.state, self.reporter, self.rng_mirror,
                                        self.injections, self.checkpoints)
         self.transaction = StepTransaction(self.spec, self.state, self.membership, self.reporter, self.rng_mirror,

@@ -3,14 +3,16 @@
 Runs in the worker. Each injection fires at most once per job: before firing, the worker claims
 it from the controller and logs it (an ``injection`` event), so the log shows the cause before the
 fault. The runtime, the recovery client and the checkpoint engine each ask for their own point.
+An injection with ``committed=C`` waits, once claimed, until the checkpoint of step C is committed.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from undying import events as ev
-from undying.inject import Injection, fire
+from undying.inject import COMMIT_WAIT_S, Injection, fire
 from undying.runtime.reporter import Reporter
 
 STEP = "step"  # the start of a training step (or, for ``raise``, inside its body)
@@ -24,8 +26,10 @@ class InjectionPoints:
     """The injections aimed at this worker (rank, node, local rank), fired at the points they name."""
 
     def __init__(self, injections: list[Injection], reporter: Reporter, rank: int, node: int,
-                 local_rank: int) -> None:
+                 local_rank: int, is_committed: Callable[[int], bool]) -> None:
+        """``is_committed(step)``: whether the job's checkpoint root holds that step committed."""
         self.injections = injections
+        self._is_committed = is_committed
         self._reporter = reporter
         self._rank = rank
         self._node = node
@@ -61,5 +65,14 @@ class InjectionPoints:
             return False
         if not self._reporter.claim_injection(injection.index, step):
             return False
-        self._reporter.emit(ev.INJECTION, step=step, spec=injection.text())
+        details = {} if injection.committed is None else self._wait_committed(injection.committed)
+        self._reporter.emit(ev.INJECTION, step=step, spec=injection.text(), **details)
         return True
+
+    def _wait_committed(self, step: int) -> dict[str, object]:
+        started = time.monotonic()
+        found = self._is_committed(step)
+        while not found and time.monotonic() - started < COMMIT_WAIT_S:
+            time.sleep(0.02)
+            found = self._is_committed(step)
+        return {"committed_found": found, "committed_wait": round(time.monotonic() - started, 3)}
