@@ -107,10 +107,9 @@ def parse_injection(text: str, index: int = 0) -> Injection:
         raise InjectionSpecError(f"--inject {text!r}: needs exactly {needs}; syntax: {SYNTAX}")
     if any(value < 0 for value in values.values()):
         raise InjectionSpecError(f"--inject {text!r}: {target_key} and step must be >= 0; syntax: {SYNTAX}")
-    if down is not None and down < 0:
-        raise InjectionSpecError(f"--inject {text!r}: down must be >= 0; syntax: {SYNTAX}")
-    if committed is not None and committed < 0:
-        raise InjectionSpecError(f"--inject {text!r}: committed must be >= 0; syntax: {SYNTAX}")
+    for name, optional in (("down", down), ("committed", committed)):
+        if optional is not None and optional < 0:
+            raise InjectionSpecError(f"--inject {text!r}: {name} must be >= 0; syntax: {SYNTAX}")
     return Injection(index=index, kind=kind, step=values.get("step"), at=point, down=down, committed=committed,
                      **{target_key: values[target_key]})
 
