@@ -25,6 +25,7 @@ from pathlib import Path
 from undying.client import ControllerClient, ControllerUnreachable, Unauthorized, parse_address
 from undying.config import JobSpec, spec_from_json, spec_to_dict
 from undying.locate import locator_from_env
+from undying.log_tail import read_tail
 from undying.procs import WorkerProcess, available_memory, die_with_parent, signal_name, stop_processes
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
@@ -40,6 +41,7 @@ from undying.protocol import (
     WorkerState,
     WorkerStatus,
 )
+from undying.root_probe import remove_probe, t2_root, write_probe, writes_t2
 from undying.shm import claim_node_dir, remove_node_dir, remove_stale
 from undying.standby import can_serve
 from undying.stopped_workers import STOPPED_CHECK_EVERY, StoppedWorkers
@@ -94,6 +96,9 @@ class Agent:
         self.workers: dict[int, WorkerProcess] = {}
         self.worker_generations: dict[int, int] = {}  # rank -> generation its process was started in
         self.local_ranks: dict[int, int] = {}
+        self.log_paths: dict[int, Path] = {}  # rank -> the log its current process writes
+        # rank -> (its process that ended badly, the log's last lines, the exception line): read once
+        self.exit_notes: dict[int, tuple[WorkerProcess, list[str], str]] = {}
         # The interpreter every worker of this node is forked from (standby.py), from the agent's start.
         self.standby: WarmStandby | None = None
         self.standby_due: float | None = time.monotonic() if spec.warm_standby else None
@@ -151,8 +156,11 @@ class Agent:
 
     def _hello(self) -> None:
         deadline = time.monotonic() + self.spec.node_return_timeout
+        root = t2_root(self.spec, self.run_dir)
+        probe, probe_error = write_probe(root) if writes_t2(self.spec) else ("", "")
         hello = AgentHello(self.node, os.getpid(), socket.gethostname(), self.spec.nproc_per_node,
-                           standby=self.spare, spec=spec_to_dict(self.spec))
+                           standby=self.spare, spec=spec_to_dict(self.spec), root_probe=probe,
+                           root_probe_error=probe_error)
         while True:
             try:
                 reply = HelloReply.from_dict(self.client.post(ROUTE_AGENT_HELLO, hello.to_dict()))
@@ -162,6 +170,8 @@ class Agent:
                 time.sleep(0.2)
                 continue
             if not reply.accepted:
+                if probe:
+                    remove_probe(root, probe)  # the controller could not see it: only this node can
                 raise SystemExit(f"undying agent {self.node}: controller refused: {reply.reason}")
             if reply.node >= 0 and reply.node != self.node:
                 # Our node's place was taken by a spare while we were away: we are a spare now.
@@ -245,10 +255,20 @@ class Agent:
                 state = WorkerState.STOPPED
             else:
                 state = WorkerState.RUNNING
+            tail, error = self._exit_note(rank, process) if code else ([], "")
             statuses.append(WorkerStatus(
                 rank=rank, local_rank=self.local_ranks[rank], pid=process.pid,
-                generation=self.worker_generations[rank], state=state, exitcode=code, signal=signal_name(code)))
+                generation=self.worker_generations[rank], state=state, exitcode=code, signal=signal_name(code),
+                error=error, log_tail=tail))
         return statuses
+
+    def _exit_note(self, rank: int, process: WorkerProcess) -> tuple[list[str], str]:
+        """A worker that ended badly: its log's last lines and its exception, read once per process."""
+        note = self.exit_notes.get(rank)
+        if note is None or note[0] is not process:
+            tail, error = read_tail(self.log_paths[rank]) if rank in self.log_paths else ([], "")
+            note = self.exit_notes[rank] = (process, tail, error)
+        return note[1], note[2]
 
     def _start_workers(self, order: Order) -> None:
         """A new generation of the whole job: every worker of this node starts afresh."""
@@ -282,7 +302,7 @@ class Agent:
             master_addr=master_addr, master_port=order.store_port, members=tuple(order.members))
         env = {**os.environ, **worker_env.to_environ()}
         env.pop(ENV_DIE_WITH_PARENT, None)
-        log_path = log_dir / f"rank{rank}.log"
+        log_path = self.log_paths[rank] = log_dir / f"rank{rank}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
         self._keep_standby()
         standby = self.standby if self.standby is not None and self.standby.usable() else None

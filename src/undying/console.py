@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from undying import events as ev
+from undying.controller.persist_health import failed_checkpoint_line
 from undying.controller.strategies import describe_chain, effective_chain, unbuilt_strategies
 from undying.events import Event
 from undying.launch_options import LaunchOptions
@@ -45,11 +46,26 @@ def print_event(event: Event) -> None:
                                     f"not back after {details.get('waited')} s)"),
         ev.ELASTIC_GROW: lambda: (f"elastic grow: world {details.get('old_world_size')} -> "
                                   f"{details.get('new_world_size')}"),
+        ev.CRASH_LOOP: lambda: crash_loop_lines(details),
+        ev.CHECKPOINT_FAILED: lambda: failed_checkpoint_line(event.step, details),
+        ev.CHECKPOINT_ROOT_UNSHARED: lambda: (f"node {event.node} ({details.get('host')}) does not share the "
+                                              f"T2 checkpoint root: {details.get('problem')}"),
         ev.JOB_END: lambda: f"job {details.get('outcome')}: {details.get('message')}",
         ev.AUTH_REFUSED: lambda: f"refused a client without the job token ({details.get('client')})",
     }.get(event.kind)
     if text is not None and (event.kind != ev.CHECKPOINT_LOAD or event.rank == 0):
         print(f"[undying {stamp}] {where}: {text()}", file=sys.stderr, flush=True)
+
+
+def crash_loop_lines(details: dict[str, object]) -> str:
+    """A crash loop's cause as the console shows it: the fault, then the failing rank's last lines."""
+    tail = details.get("log_tail") or []
+    lines = [f"CRASH LOOP, stopping the job: {details.get('why')}",
+             f"  root cause: {details.get('description')}"]
+    if isinstance(tail, list) and tail:
+        lines.append(f"  last lines of rank {details.get('rank')}'s output:")
+        lines.extend(f"  | {line}" for line in tail)
+    return "\n".join(lines)
 
 
 def emit_job_start(controller: Controller, options: LaunchOptions, address: str, store_port: int,

@@ -57,6 +57,9 @@ ELASTIC_SHRINK = "elastic_shrink"  # a lost node did not come back in time: fewe
 STANDBY_ADOPT = "standby_adopt"  # a spare agent was ordered to take a lost node's place
 ELASTIC_GROW = "elastic_grow"  # a returned node's ranks rejoined: back to more replicas (old/new world size)
 PERSIST_FAILED = "persist_failed"  # a background T2 write gave up (reason); the job trains on
+# A step's T2 checkpoint failed (logged once per step by the controller: controller/persist_health.py):
+# the first rank's reason, failures in a row, the newest durable checkpoint's step and age, warning.
+CHECKPOINT_FAILED = "checkpoint_failed"
 SNAPSHOT_UNAVAILABLE = "snapshot_unavailable"  # node shared memory could not hold a snapshot: private memory used
 SNAPSHOT_PAGEABLE = "snapshot_pageable"  # CUDA would not page-lock a T1 slot: device-to-host copies are slower
 # snapshot_interval: auto changed the interval (interval, previous; the means it was chosen from: stall,
@@ -83,6 +86,12 @@ T1_ROLLBACK = "t1_rollback"
 # that step is, so the step is the job's anchor; or a copy failed (reason; count since the last report).
 PEER_COPY = "peer_copy"
 PEER_COPY_FAILED = "peer_copy_failed"
+# The job stopped in a crash loop (controller/crash_loop.py): why, the recoveries it made, and the fault
+# that started it (rank, node, step, description, error, exitcode, signal, log_tail: its output's last lines).
+CRASH_LOOP = "crash_loop"
+# A node's agent wrote a probe under its T2 root that the controller cannot read under its own (root_probe.py):
+# host, problem. Before the first generation the job fails; later the node's hello is refused.
+CHECKPOINT_ROOT_UNSHARED = "checkpoint_root_unshared"
 
 
 @dataclass

@@ -2,11 +2,14 @@
 
 The controller builds a ``Fault`` when it detects one (in the controller process); the
 console, the event log (``fault_detected``'s ``description``) and the report all describe
-a fault with ``describe_fault``, so the three always say the same thing.
+a fault with ``describe_fault``, so the three always say the same thing. A worker that
+raised is described with its exception's line (``exception_line``: read from the tail of
+its log by its agent, or sent by the worker itself when ``retry`` kept its process).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -30,13 +33,35 @@ PROCESS_FAULTS = frozenset({FaultReason.WORKER_EXIT, FaultReason.HEARTBEAT_MISSE
                             FaultReason.EXIT_TIMEOUT, FaultReason.STEP_STALLED})
 
 
+# A Python traceback's first line; the exception's own line is the first unindented line after its frames.
+TRACEBACK_HEADER = "Traceback (most recent call last):"
+ERROR_LINE_MAX = 300  # characters of an exception's line kept in a fault's description
+# torch.distributed's own excepthook prefixes every line of a traceback with the rank.
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+
+
+def exception_line(lines: list[str]) -> str:
+    """The line naming the exception that ended a Python process (``RuntimeError: boom``), from the
+    last lines of its output; "" when they hold no traceback. With chained exceptions, the last one
+    (the one that propagated). A message spanning several lines is cut to its first."""
+    lines = [_RANK_PREFIX.sub("", line) for line in lines]
+    start = max((index for index, line in enumerate(lines) if line.startswith(TRACEBACK_HEADER)), default=None)
+    if start is None:
+        return ""
+    for line in lines[start + 1:]:
+        if line.strip() and not line[:1].isspace() and not line.startswith(TRACEBACK_HEADER):
+            return line.strip()[:ERROR_LINE_MAX]
+    return ""
+
+
 def describe_fault(reason: str, rank: int | None = None, node: int | None = None, exitcode: int | None = None,
-                   signal: str | None = None, detail: str = "", planned: bool = False) -> str:
-    """One line for a person: where the fault is and what it was."""
+                   signal: str | None = None, detail: str = "", planned: bool = False, error: str = "") -> str:
+    """One line for a person: where the fault is and what it was (with the exception, if one was raised)."""
     where = f"rank {rank}" if rank is not None else f"node {node}"
+    raised = f": {error}" if error else ""
     if reason == FaultReason.WORKER_EXIT:
         how = f"killed by {signal}" if signal else f"exit code {exitcode}"
-        return f"{where} exited ({how})"
+        return f"{where} exited ({how}){raised}"
     if reason == FaultReason.AGENT_LOST:
         return f"node {node} left the job ({detail or 'planned'})" if planned else f"node {node} lost (agent gone)"
     if reason == FaultReason.HEARTBEAT_MISSED:
@@ -44,8 +69,10 @@ def describe_fault(reason: str, rank: int | None = None, node: int | None = None
     if reason == FaultReason.STEP_STALLED:
         return f"{where} is alive but committed no step within step_timeout (hang?)"
     if reason == FaultReason.STEP_FAILED:
+        if error:
+            return f"{where} raised in its step{raised}"
         return f"{where} could not complete its step ({detail})" if detail else f"{where} could not complete its step"
-    return f"{where}: {reason}"
+    return f"{where}: {reason}{raised}"
 
 
 @dataclass(frozen=True)
@@ -60,7 +87,9 @@ class Fault:
     signal: str | None = None
     detail: str = ""
     planned: bool = False  # announced by the node itself (a planned leave), not discovered
+    error: str = ""  # the exception's line, when the worker raised (``exception_line``)
+    log_tail: tuple[str, ...] = ()  # the last lines of the failing rank's output, when known
 
     def describe(self) -> str:
         return describe_fault(self.reason, self.rank, self.node, self.exitcode, self.signal, self.detail,
-                              self.planned)
+                              self.planned, self.error)

@@ -32,6 +32,7 @@ from undying.etcd import EtcdUnavailable
 from undying.events import EventLog
 from undying.launch_options import LaunchOptions
 from undying.locate import ENV_ETCD, ENV_HA_JOB, locate_controller
+from undying.root_probe import t2_root, writes_t2
 from undying.shm import remove_job_dir
 
 BACKUP_REFRESH_S = 1.0
@@ -83,7 +84,8 @@ class ControllerCandidate(threading.Thread):
             events.add_listener(print_event)
         job_id = saved["job_id"] if saved else secrets.token_hex(6)
         controller = Controller(spec, events, job_id, self.store.port, options.injections_text,
-                                store_host=self.advertise, save_state=candidate.save_state)
+                                store_host=self.advertise, save_state=candidate.save_state,
+                                t2_root=t2_root(spec, options.run_dir) if writes_t2(spec) else None)
         server = ControllerServer(controller, self.token, options.controller_bind, 0)
         candidate.on_lost = controller.depose
         controller.in_charge = candidate.in_charge

@@ -27,6 +27,7 @@ from undying.controller import Controller, ControllerServer, JobStore
 from undying.events import EventLog
 from undying.launch_options import LaunchOptions
 from undying.procs import die_with_parent, kill_group
+from undying.root_probe import t2_root, writes_t2
 from undying.shm import remove_job_dir, remove_node_dir
 from undying.worker_env import ENV_INJECT, ENV_SPEC, ENV_TOKEN
 
@@ -158,7 +159,8 @@ def launch(options: LaunchOptions) -> int:
     agents_holder: list[LocalAgents] = []
     controller = Controller(spec, events, job_id, store.port, options.injections_text,
                             on_node_lost=lambda node: agents_holder[0].kill_node(node) if agents_holder else None,
-                            store_host=store_host)
+                            store_host=store_host,
+                            t2_root=t2_root(spec, options.run_dir) if writes_t2(spec) else None)
     server = ControllerServer(controller, token, options.controller_bind, bind_port)
     server.start()
     agents = LocalAgents(options, format_address(connect_host, server.port), token)

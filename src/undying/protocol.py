@@ -135,6 +135,10 @@ class AgentHello(Message):
     hostname: str
     nproc: int
     standby: bool = False  # a spare node: no ranks until it adopts a lost node's place
+    # The T2 root check (root_probe.py): the probe file the agent wrote under its checkpoint root,
+    # or why it could not write one. Both empty: the job writes no T2 (nothing to check).
+    root_probe: str = ""
+    root_probe_error: str = ""
     # The agent's validated job spec (config.spec_to_dict), so the controller can refuse a node
     # launched with another spec; empty from a sender that does not say.
     spec: dict[str, Any] = field(default_factory=dict)
@@ -160,6 +164,10 @@ class WorkerStatus(Message):
     state: str  # a WorkerState
     exitcode: int | None = None
     signal: str | None = None
+    # An exit with a non-zero code or a signal: the exception line of its log's last traceback ("" if
+    # none) and its log's last lines (log_tail.py), for the fault's description and a crash loop's cause.
+    error: str = ""
+    log_tail: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -221,6 +229,10 @@ class RecoverRequest(Message):
     reason: str = ""
     newcomer: bool = False
     wait: float = 5.0
+    # The step failed on an exception of this rank's own (kept from ending the process by ``with step:``
+    # under retry): its exception line and its traceback's last lines. Empty: a peer's fault.
+    error: str = ""
+    error_tail: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -171,7 +171,7 @@ def test_max_restarts_zero_fails_the_job_and_orders_every_agent_to_exit(make_job
     assert decision.details["strategy"] == "exit"
     assert "max_restarts (0)" in decision.details["reason"]
     [end] = job.events(ev.JOB_END)
-    assert (end.details["outcome"], end.details["exit_code"], end.details["restarts"]) == ("failed", 1, 0)
+    assert (end.details["outcome"], end.details["exit_code"], end.details["recoveries"]) == ("failed", 1, 0)
     assert job.events(ev.RESTART_BEGIN) == []
 
 

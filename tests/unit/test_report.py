@@ -272,7 +272,7 @@ def test_two_faults_are_two_recoveries() -> None:
     text = render_summary(summary)
     assert "faults: 2" in text
     assert "(5 steps lost)" in text and "(3 steps lost)" in text
-    assert "2 restarts" in text
+    assert "2 recoveries (2 job restarts)" in text
 
 
 def test_repeated_detection_of_one_fault_is_one_recovery() -> None:

@@ -147,10 +147,22 @@ def write_shared_shard(staging: Location, replica_state: dict[str, Any],
 
     state = to_dcp(replica_state, param_names)
     writer, files = checksummed_writer(staging, write_threads(flatten_state(state)[1]))
-    metadata = dcp.save(state, storage_writer=writer, no_dist=True)
+    try:
+        metadata = dcp.save(state, storage_writer=writer, no_dist=True)
+    except dcp.CheckpointException as error:  # a BaseException: ``except Exception`` lets it through
+        raise plain_error(error) from None
     check_complete(staging, metadata)
     names = sorted({info.relative_path for info in metadata.storage_data.values()}) + [DCP_METADATA]
     return records_of(staging, files, names)
+
+
+def plain_error(error: Any) -> Exception:
+    """The first rank's own exception inside DCP's ``CheckpointException`` (a ``BaseException``, which
+    ``except Exception`` does not catch): an ``OSError`` stays one (a full disk keeps its errno)."""
+    for inner, _trace in error.failures.values():
+        if isinstance(inner, Exception):
+            return inner
+    return RuntimeError(str(error).splitlines()[0])
 
 
 def is_dcp_shard(ckpt: CommittedCheckpoint) -> bool:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from undying.checkpoint.dcp_format import DCP_DATA_SUFFIX, DCP_METADATA
+from undying.checkpoint.dcp_format import DCP_DATA_SUFFIX, DCP_METADATA, plain_error
 from undying.checkpoint.dcp_writer import checksummed_writer, records_of
 from undying.checkpoint.storage import (
     CommittedCheckpoint,
@@ -151,5 +151,7 @@ def load_sharded(ckpt: CommittedCheckpoint, targets: dict[str, Any]) -> None:
 
     try:
         dcp.load(targets, storage_reader=reader(ckpt), no_dist=True)
+    except dcp.CheckpointException as error:  # a BaseException: ``except Exception`` would let it through
+        raise CorruptCheckpoint(f"{ckpt.path}: sharded DCP checkpoint unreadable ({plain_error(error)!r})") from None
     except Exception as error:  # noqa: BLE001 - any failure to read verified bytes means unusable
         raise CorruptCheckpoint(f"{ckpt.path}: sharded DCP checkpoint unreadable ({error!r})") from error

@@ -152,6 +152,9 @@ class Persister:
             except Exception as error:  # noqa: BLE001 - reported as a result, the training goes on
                 result = PersistResult(job.step, job.generation, False, None, time.monotonic() - started, 0,
                                        f"{type(error).__name__}: {error}")
+            except BaseException:
+                self._idle.set()  # the thread is going: nobody may wait for it any longer
+                raise
             finally:
                 self.snapshots.unpin(job.slot)
             with self._lock:

@@ -56,7 +56,11 @@ class CheckpointSpec(BaseModel):
     ``peer_copy``: ``auto`` (the default) also keeps each rank's T1 snapshot in the memory of the
     next node when no replica holds the rank's state (a pure-FSDP mesh, ``replicate=1``, on two or
     more nodes), so that a lost node's shards come back from memory (runtime/peer_copy.py);
-    ``off`` keeps none (a lost node's shards then come from T2)."""
+    ``off`` keeps none (a lost node's shards then come from T2).
+    ``persist``: ``true`` (the default) writes T2 every ``interval`` steps; every node must then write
+    under one shared root, which the controller checks before it gives a node ranks (root_probe.py).
+    ``false``: no periodic T2 (a snapshot into T1 every ``interval`` steps instead): a job that loses
+    every node starts afresh; for nodes without shared storage."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -68,6 +72,7 @@ class CheckpointSpec(BaseModel):
     snapshot_slots: int = Field(2, ge=2, le=8)
     overlap: Literal["auto", "on", "off"] = "auto"
     peer_copy: Literal["auto", "off"] = "auto"
+    persist: bool = True
 
     _reject_bool_numbers = field_validator("interval", "keep", "snapshot_budget", "snapshot_slots",
                                            mode="before")(_reject_bool)
@@ -124,6 +129,8 @@ class JobSpec(BaseModel):
     grace_period: float = Field(900.0, gt=0)
     wait_reschedule_timeout: int = Field(270, ge=30, le=270)
     max_restarts: int = Field(32767, ge=0, le=32767)
+    # Recoveries in a row that commit no step before the job stops as a crash loop (0: never).
+    crash_loop_limit: int = Field(3, ge=0, le=32767)
     monitor_interval: float = Field(5.0, gt=0, le=300)
     comm_timeout: float = Field(30.0, gt=0)
     heartbeat_interval: float = Field(1.0, gt=0)
@@ -156,6 +163,7 @@ class JobSpec(BaseModel):
         "grace_period",
         "wait_reschedule_timeout",
         "max_restarts",
+        "crash_loop_limit",
         "monitor_interval",
         "comm_timeout",
         "heartbeat_interval",

@@ -39,6 +39,7 @@ from undying.protocol import (
     PlanAction,
     RecoverRequest,
 )
+from undying.root_probe import take_probe
 
 T = TypeVar("T")
 # How often a held poll checks that its agent's connection is still open.
@@ -79,8 +80,10 @@ class Controller:
         on_node_lost: Callable[[int], None] | None = None,
         store_host: str = "127.0.0.1",
         save_state: Callable[[dict[str, Any]], bool] | None = None,
+        t2_root: str | None = None,
     ) -> None:
         self.events = events
+        self.t2_root = t2_root  # where this controller reads the agents' T2 probes (None: no T2 to check)
         self.on_node_lost = on_node_lost
         self.save_state = save_state  # failover jobs: writes the machine's state to etcd (False: deposed)
         self._saved: dict[str, Any] | None = None
@@ -181,9 +184,13 @@ class Controller:
         return self.events.emit(Event(kind=kind, **fields))
 
     def hello(self, hello: AgentHello) -> HelloReply:
+        # The probe is read before the lock: storage (a shared filesystem, an object store) may be slow.
+        problem = hello.root_probe_error
+        if not problem and hello.root_probe and self.t2_root is not None:
+            problem = take_probe(self.t2_root, hello.root_probe)
         with self._cond:
             self._check_in_charge()
-            return self._apply(lambda now: self.machine.hello(now, hello))
+            return self._apply(lambda now: self.machine.hello(now, hello, problem))
 
     def reserve_spare_id(self) -> int:
         """A node id no agent of this job has used: for a spare, or a node that returns as one."""

@@ -61,6 +61,7 @@ class FaultDetector:
             return
         record.exitcode = status.exitcode if status.exitcode is not None else -1
         record.signal = status.signal
+        record.error, record.log_tail = status.error, tuple(status.log_tail)
         if record.exitcode != 0 and record.done:
             # Training had finished and its result was written; only the teardown failed.
             self.emit(ev.WORKER_EXIT, node=node.node, rank=status.rank, step=record.step, generation=generation,
@@ -69,8 +70,11 @@ class FaultDetector:
             return
         if record.exitcode == 0:
             record.done = True
+        details: dict[str, Any] = {"exitcode": status.exitcode, "signal": status.signal}
+        if status.error:
+            details["error"] = status.error
         self.emit(ev.WORKER_EXIT, node=node.node, rank=status.rank, step=record.step, generation=generation,
-                  details={"exitcode": status.exitcode, "signal": status.signal})
+                  details=details)
 
     def silent_agents(self, now: float) -> list[tuple[NodeRecord, str]]:
         """Live agents not heard from for too long, with why."""
@@ -195,14 +199,16 @@ class FaultDetector:
         everyone_reported = len({fault.rank for _, fault in self.step_failures}) == len(membership.ranks)
         if self.step_failures and not suspect and (everyone_reported
                                    or now - self.step_failures[0][0] >= self.deadlines.step_failed_grace):
-            _, fault = self.step_failures.pop(0)
+            # The rank whose own exception failed the step is the cause; the others only saw its no.
+            failures = [fault for _, fault in self.step_failures]
             self.step_failures.clear()
-            return fault
+            return next((fault for fault in failures if fault.error), failures[0])
         return None
 
     def _rank_fault(self, record: RankRecord, now: float, generation: int) -> Fault | None:
         if record.exitcode not in (None, 0):
-            return Fault(FaultReason.WORKER_EXIT, exitcode=record.exitcode, signal=record.signal, **_where(record))
+            return Fault(FaultReason.WORKER_EXIT, exitcode=record.exitcode, signal=record.signal, error=record.error,
+                         log_tail=record.log_tail, **_where(record))
         if record.exitcode == 0:
             return None
         if record.done:

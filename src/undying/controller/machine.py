@@ -8,7 +8,7 @@ orders for agents (handed out when they poll), nodes to kill (simulated nodes). 
 it keeps is what a successor controller resumes from (``saved_state.py``).
 
 Loop (compare torchelastic's ``_invoke_run``): detect (``detection.py``) -> decide
-(``decide.py``, the chain in ``strategies/``) -> the chosen strategy executes and owns the
+(the chain in ``strategies/``; ``crash_loop.py`` stops a job its recoveries bring no further) -> the chosen strategy executes and owns the
 recovery until it ends (``strategies/*.py``).
 """
 
@@ -21,11 +21,20 @@ from undying import events as ev
 from undying.config import JobSpec
 from undying.controller import strategies
 from undying.controller.admission import hello_refusal
+from undying.controller.crash_loop import CrashLoop
 from undying.controller.deadlines import HEARTBEAT_LOG_EVERY, Deadlines
 from undying.controller.detection import FaultDetector
 from undying.controller.membership import Membership, NodeRecord, RankRecord
+from undying.controller.persist_health import PersistHealth
 from undying.controller.recovery import ActiveRecovery, note_check_in, plan_for
-from undying.controller.state import EXIT_CANCELLED, EXIT_FAILED, EXIT_OK, JobState, check_transition
+from undying.controller.state import (
+    EXIT_CANCELLED,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    JobState,
+    check_transition,
+)
 from undying.events import Event
 from undying.faults import Fault, FaultReason
 from undying.inject import decode as decode_injections
@@ -44,6 +53,7 @@ from undying.protocol import (
     RecoverRequest,
     WorkerStatus,
 )
+from undying.root_probe import refusal as unshared_root
 from undying.strategy_names import StrategyName
 
 
@@ -72,7 +82,10 @@ class JobMachine:
         self.generation = 0
         self.abort_generation = 0
         self.end_generation = 0  # a generation that ends at its next step boundary (an elastic grow)
-        self.restart_count = 0
+        self.restart_count = 0  # recoveries of every kind (what max_restarts bounds)
+        self.job_restarts = 0  # the job-level restarts among them
+        self.crash_loop = CrashLoop(spec.crash_loop_limit)
+        self.persist_health = PersistHealth()
         self.exit_code: int | None = None
         self.message = ""
         self.membership = Membership(spec.nnodes, spec.nproc_per_node)
@@ -108,11 +121,19 @@ class JobMachine:
 
     # ---------------------------------------------------------------- agents
 
-    def hello(self, now: float, hello: AgentHello) -> HelloReply:
+    def hello(self, now: float, hello: AgentHello, root_problem: str = "") -> HelloReply:
+        """An agent joins; ``root_problem``: why its node does not share the T2 root (root_probe.py)."""
         self.now = now
         refused = hello_refusal(self.spec, self.state, hello)
         if refused:
             return HelloReply(self.job_id, self.store_port, False, refused)
+        if root_problem:
+            message = unshared_root(hello.node, hello.hostname, root_problem)
+            self.emit(ev.CHECKPOINT_ROOT_UNSHARED, node=hello.node,
+                      details={"host": hello.hostname, "problem": root_problem})
+            if self.state is JobState.WAITING_FOR_NODES:
+                self.finish(JobState.FAILED, EXIT_REFUSED, message, now)  # before a single rank ran
+            return HelloReply(self.job_id, self.store_port, False, message)
         nodes = self.membership.nodes
         previous = nodes.get(hello.node)
         if not hello.standby and previous is not None and previous.alive and hello.node in self.membership.adopted_by \
@@ -224,6 +245,7 @@ class JobMachine:
         if record is None or beat.generation < record.spawn_generation or beat.generation > self.generation:
             return reply
         self.detector.record_heartbeat(record, beat, now)
+        self.crash_loop.heard(beat.generation, beat.step, beat.phase)
         if beat.mesh_shard:
             self.membership.mesh_shard = beat.mesh_shard
         if record.logged_step != beat.step and now - record.last_logged >= HEARTBEAT_LOG_EVERY:
@@ -246,6 +268,12 @@ class JobMachine:
             record.step = event.step or record.step
             record.step_known = record.step_known or bool(event.step)
         self.effects.events.append(event)
+        if event.kind == ev.CHECKPOINT_SAVE and event.step is not None:
+            self.persist_health.saved(event.step, now)
+        elif event.kind == ev.PERSIST_FAILED and event.step is not None:
+            failed = self.persist_health.failed(event.step, event.rank, str(event.details.get("reason", "")), now)
+            if failed is not None:
+                self.emit(ev.CHECKPOINT_FAILED, step=event.step, generation=event.generation, details=failed)
         if event.kind == ev.DUMP_COMMITTED and self.recovery is not None:
             strategies.executor_for(self.recovery.strategy).on_worker_event(self, event, now)
 
@@ -350,6 +378,7 @@ class JobMachine:
                                      members=list(membership.members) if shrunk else []))
         previous = self.state
         self.transition(JobState.RUNNING)
+        self.crash_loop.watch(self.generation)
         details: dict[str, Any] = {"world_size": world_size, "restart_count": self.restart_count}
         if shrunk:
             details["members"] = list(membership.members)
@@ -366,7 +395,7 @@ class JobMachine:
         self.order_all(Order(kind=OrderKind.EXIT, generation=self.generation, reason=message))
         self.emit(ev.JOB_END, generation=self.generation, step=self.membership.committed_step(),
                   details={"outcome": state.value, "exit_code": exit_code, "message": message,
-                           "restarts": self.restart_count})
+                           "recoveries": self.restart_count, "job_restarts": self.job_restarts})
 
     def order_all(self, order: Order) -> None:
         for node in self.membership.nodes.values():

@@ -68,6 +68,8 @@ class RankRecord:
     done_at: float | None = None
     exitcode: int | None = None
     signal: str | None = None
+    error: str = ""  # an exit's exception line, as its agent read it from the log
+    log_tail: tuple[str, ...] = ()  # ... and the log's last lines
     step_known: bool = True  # False: restored by a failover and not heard from since
 
 
@@ -136,8 +138,11 @@ class Membership:
     def committed_step(self) -> int:
         # A rank restored by a failover knows no step until it beats here (one that died with the
         # old leader never does): the others tell where the job stands.
-        known = [record.step for record in self.ranks.values() if record.step_known]
-        return min(known, default=0)
+        return min(self.known_steps(), default=0)
+
+    def known_steps(self) -> list[int]:
+        """The committed step of every rank whose step is known."""
+        return [record.step for record in self.ranks.values() if record.step_known]
 
     def lost_ranks(self, extra: set[int]) -> set[int]:
         """``extra`` plus every member whose process exited badly or whose node is gone."""

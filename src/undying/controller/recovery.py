@@ -103,7 +103,8 @@ def note_check_in(job: JobMachine, now: float, request: RecoverRequest, record: 
     elif job.state is JobState.RUNNING and request.generation == job.generation:
         job.effects.news |= job.detector.step_failed(now, Fault(
             FaultReason.STEP_FAILED, node=record.node if record else request.node, rank=request.rank,
-            step=request.committed_step, detail=request.reason[:300]), request.generation)
+            step=request.committed_step, detail=request.reason[:300], error=request.error,
+            log_tail=tuple(request.error_tail)), request.generation)
     if recovery is not None and recovery.plan is None and recovery.ready() and not was_ready:
         job.effects.news = True
 

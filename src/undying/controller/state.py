@@ -11,6 +11,7 @@ import enum
 # The process exit code of `undying run` for each way a job ends.
 EXIT_OK = 0
 EXIT_FAILED = 1
+EXIT_REFUSED = 2  # the job cannot run as configured (e.g. its nodes do not share the T2 root)
 EXIT_CANCELLED = 130
 
 

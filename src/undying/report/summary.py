@@ -8,12 +8,14 @@ that the text and the timeline draw from. Runs in the CLI process (``undying rep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from undying.events import (
     CHECKPOINT_CORRUPT,
     CHECKPOINT_LOAD,
     CHECKPOINT_SAVE,
     CONTROLLER_LEADER,
+    CRASH_LOOP,
     DECISION,
     ELASTIC_GROW,
     ELASTIC_SHRINK,
@@ -73,7 +75,7 @@ class RunSummary:
     message: str | None
     world_size: int | None
     generations: int
-    restarts: int
+    restarts: int  # job-level restarts
     final_step: int | None
     recoveries: list[Recovery] = field(default_factory=list)
     checkpoints_saved: int = 0
@@ -82,6 +84,8 @@ class RunSummary:
     world_changes: list[str] = field(default_factory=list)  # elastic shrinks and grows, in order
     takeovers: list[str] = field(default_factory=list)  # controller failovers, in order
     numerics_changes: list[str] = field(default_factory=list)  # restores under other numerics, in order
+    crash_loop: dict[str, Any] | None = None
+    recoveries_total: int = 0  # recoveries of every kind (what max_restarts bounds)  # why a crash loop stopped the job, and its root cause
 
 
 def summarize(events: list[Event]) -> RunSummary:
@@ -92,7 +96,10 @@ def summarize(events: list[Event]) -> RunSummary:
 
     generation_starts = [e for e in events if e.kind == GENERATION_START]
     restart_counts = [int(e.details.get("restart_count") or 0) for e in generation_starts]
-    restarts = max([sum(1 for e in events if e.kind == RESTART_BEGIN), *restart_counts])
+    # Job-level restarts: as the controller counted them at the end, else (a log cut short) as logged.
+    restarts = int(end_details["job_restarts"]) if "job_restarts" in end_details else \
+        sum(1 for e in events if e.kind == RESTART_BEGIN)
+    crash_loop = last_event(events, CRASH_LOOP)
 
     # A checkpoint written by several ranks is still one checkpoint.
     saved = {(e.generation, e.step) for e in events if e.kind == CHECKPOINT_SAVE}
@@ -119,6 +126,8 @@ def summarize(events: list[Event]) -> RunSummary:
         world_changes=[world_change_label(e) for e in events if e.kind in (ELASTIC_SHRINK, ELASTIC_GROW)],
         takeovers=[takeover_label(e) for e in events if is_takeover(e)],
         numerics_changes=[numerics_change_label(e) for e in events if e.kind == NUMERICS_CHANGED],
+        crash_loop=crash_loop.details if crash_loop else None,
+        recoveries_total=int(end_details.get("recoveries", max(restart_counts, default=0))),
     )
 
 

@@ -25,13 +25,21 @@ def render_summary(summary: RunSummary) -> str:
     world = "unknown" if summary.world_size is None else f"{summary.world_size} ranks"
     lines.append(f"world size: {world}")
     final_step = "none committed" if summary.final_step is None else f"{summary.final_step} committed"
-    generations, restarts = plural(summary.generations, "generation"), plural(summary.restarts, "restart")
-    lines.append(f"steps: {final_step}; {generations}, {restarts}")
+    generations = plural(summary.generations, "generation")
+    count = summary.recoveries_total
+    recoveries = f"{count} recovery" if count == 1 else f"{count} recoveries"
+    restarts = plural(summary.restarts, "job restart")
+    lines.append(f"steps: {final_step}; {generations}, {recoveries} ({restarts})")
     lines.append(f"checkpoints: {summary.checkpoints_saved} saved, {summary.checkpoints_corrupt} corrupt")
     if summary.duration_seconds is not None:
         lines.append(f"duration: {summary.duration_seconds:.1f} s")
     lines.append(f"faults: {len(summary.recoveries)}")
     lines.extend("  " + describe_recovery(recovery) for recovery in summary.recoveries)
+    if summary.crash_loop:
+        loop = summary.crash_loop
+        lines.append(f"crash loop: {loop.get('why')}; root cause: {loop.get('description')}"
+                     + (f" at step {loop['step']}" if loop.get("step") is not None else ""))
+        lines.extend(f"  | {line}" for line in loop.get("log_tail") or [])
     if summary.world_changes:
         lines.append("elastic: " + ", ".join(summary.world_changes))
     if summary.takeovers:

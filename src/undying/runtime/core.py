@@ -279,7 +279,7 @@ class Runtime:
             yield Step(step, self)
             failure = self.transaction.end()
             if failure is not None:
-                self._recover(failure)
+                self._recover(failure, self.transaction.raised)
                 step = self.state.committed_step
                 first = True
                 continue
@@ -338,8 +338,8 @@ class Runtime:
         replacement finds it even when this process and its node are gone (runtime/rng_mirror.py)."""
         self.rng_mirror.write_rng(self.state.committed_step, self.state.mark_commit_boundary())
 
-    def _recover(self, reason: str) -> None:
-        self.recovery.recover(reason)
+    def _recover(self, reason: str, raised: Exception | None = None) -> None:
+        self.recovery.recover(reason, raised)
         self._resumed_from = self.state.committed_step
 
     def _log_samples(self, step: int) -> None:

@@ -64,8 +64,9 @@ class RecoveryClient:
         self._t1_error: str | None = None  # why this receiver's T1 snapshot of the step could not be loaded
         self.dying_checkpoint = DyingCheckpoint(spec, membership, state, reporter, rng_mirror, checkpoints)
 
-    def recover(self, reason: str) -> None:
-        """Leave the failed step, follow the controller's plan, and return at a committed step."""
+    def recover(self, reason: str, raised: Exception | None = None) -> None:
+        """Leave the failed step, follow the controller's plan, and return at a committed step.
+        ``raised``: this rank's own exception that failed the step (told to the controller)."""
         started = time.monotonic()
         self.checkpoints.settle()  # a repair rewrites the state an overlapped snapshot may still be copying
         self.reporter.update(phase=Phase.RECOVERING)
@@ -73,7 +74,8 @@ class RecoveryClient:
             self.reporter.emit(ev.STEP_FAILED, step=self.state.committed_step, reason=reason)
         while True:
             joined, self._joined = self._joined, None
-            plan, planned = joined or self._follow_next_plan(reason)
+            plan, planned = joined or self._follow_next_plan(reason, raised)
+            raised = None  # a later round of this loop is a failed recovery, not the step's exception
             try:
                 if joined is None:
                     self.injections.at_point(RECOVERY, plan.target_step)
@@ -106,12 +108,12 @@ class RecoveryClient:
             return
         self._joined = (plan, planned)
 
-    def _follow_next_plan(self, reason: str) -> tuple[Plan, float]:
+    def _follow_next_plan(self, reason: str, raised: Exception | None = None) -> tuple[Plan, float]:
         """Leave the current group, wait for the controller's next plan and enter its generation (after
         a dump, or for a plan that gives this process no part, park). Returns it and when it came."""
         self.membership.leave_group()
         plan = self.reporter.wait_for_plan(self.membership.generation, self.state.committed_step, reason,
-                                           newcomer=not self.state.holds_state)
+                                           newcomer=not self.state.holds_state, raised=raised)
         planned = time.monotonic()
         if plan.action == PlanAction.DUMP:
             self.injections.at_point(DUMP, plan.target_step)

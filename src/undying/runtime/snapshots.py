@@ -153,7 +153,10 @@ class CheckpointEngine:
             self._cadence.pace(step, self.membership, self.reporter, self.spec.interval, timed,
                                copying=self._copying is not None, last_stall=self.last_stall)
         if step % self.spec.interval == 0:
-            self.save(step)
+            if self.spec.persist:
+                self.save(step)
+            else:
+                self.snapshot(step)
         elif self._cadence is not None and self._cadence.due(step):
             started = time.perf_counter()
             if self.snapshot(step):

@@ -48,11 +48,13 @@ class StepTransaction:
         self.device = device
         self.peer_copies = peer_copies  # their confirmations travel in the commit vote
         self.failure: str | None = None
+        self.raised: Exception | None = None  # this rank's own exception that failed the step (retry)
         self.voted = False
         self.updated = False
 
     def begin(self, step: int) -> None:
         self.failure = None
+        self.raised = None
         self.voted = False
         self.updated = False
         for loader in self.state.loaders:
@@ -146,6 +148,8 @@ class StepTransaction:
         if self.failure is None and StrategyName.RETRY not in self.spec.recover_strategy \
                 and not self._generation_aborted_soon():
             return False
+        if self.failure is None and not self.membership.aborted():
+            self.raised = error  # the step's cause, not a symptom of a fault elsewhere
         self.fail(f"exception in step: {error!r}")
         if not self.voted:
             # Vote no in the all-reduce the other ranks are waiting in, so nobody applies this step.

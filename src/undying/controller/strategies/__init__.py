@@ -10,10 +10,13 @@ under all of them, bounded by ``max_restarts``. Each strategy is one executor
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from undying import events as ev
 from undying.config import JobSpec
+from undying.controller.crash_loop import root_cause_details, stop_message
+from undying.controller.state import EXIT_FAILED, JobState
 from undying.controller.strategies.base import Attempt, Decision, Executor, RecoveryContext, strategy_enabled
 from undying.controller.strategies.dump import Dump
 from undying.controller.strategies.elastic import Elastic
@@ -83,6 +86,10 @@ def decide(fault: Fault, context: RecoveryContext) -> Decision:
 
 def handle_fault(job: JobMachine, fault: Fault, now: float) -> None:
     """A fault seen while the generation trains: log it, then let the chain act on it."""
+    if fault.reason in PROCESS_FAULTS:
+        # Its own last beat may predate the step it failed in; every rank is in the same step, and the
+        # furthest any of them has reported is the step in flight.
+        fault = replace(fault, step=max([fault.step or 0, *job.membership.known_steps()]))
     job.count_fault(fault.reason)
     job.pending_grow = None  # its starting ranks are told to exit when they ask for a plan
     job.detector.step_failures.clear()
@@ -96,6 +103,10 @@ def act_on(job: JobMachine, fault: Fault, now: float, excluded: frozenset[Strate
            stateless: set[int] | None = None) -> None:
     """Decide which strategy handles ``fault`` (skipping ``excluded``) and start it; ``stateless``:
     ranks alive or starting that hold no committed state (a failed recovery's newcomers)."""
+    why_stop = job.crash_loop.verdict(fault)
+    if why_stop is not None:
+        stop_crash_loop(job, why_stop, now)
+        return
     lost = _lost_ranks(job, fault) | (set(stateless or ()) & set(job.membership.members))
     step = job.membership.committed_step()
     decision = decide(fault, _context(job, lost, excluded, step))
@@ -105,6 +116,14 @@ def act_on(job: JobMachine, fault: Fault, now: float, excluded: frozenset[Strate
                       "lost_ranks": sorted(lost)})
     attempt = Attempt(fault, frozenset(lost), excluded, decision.reason)
     executor_for(decision.strategy).start(job, attempt, now)
+
+
+def stop_crash_loop(job: JobMachine, why: str, now: float) -> None:
+    """The recoveries bring the job no further: stop it, naming the fault that started the loop."""
+    root = job.crash_loop.root_cause()
+    job.emit(ev.CRASH_LOOP, node=root.node, rank=root.rank, step=root.step, generation=job.generation,
+             details=root_cause_details(root, why, len(job.crash_loop.streak) - 1))
+    job.finish(JobState.FAILED, EXIT_FAILED, stop_message(root, why), now)
 
 
 def _lost_ranks(job: JobMachine, fault: Fault) -> set[int]:

@@ -36,6 +36,7 @@ def begin_job_restart(job: JobMachine, why: str, now: float, count: bool = True)
     """Stop every worker; the next generation starts once they are gone and every node is back."""
     if count:
         job.restart_count += 1
+    job.job_restarts += 1
     job.recovery = None
     job.abort_generation = job.generation
     job.emit(ev.RESTART_BEGIN, generation=job.generation, details={"restart_count": job.restart_count, "fault": why})

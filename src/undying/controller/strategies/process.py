@@ -136,6 +136,7 @@ class ProcessRecovery:
         membership = job.membership
         plan = recovery.make_plan()
         job.plans[plan.generation] = plan
+        job.crash_loop.watch(plan.generation, plan.target_step)
         job.emit(ev.RECOVERY_PLAN, generation=plan.generation, step=plan.target_step,
                  details={"strategy": plan.strategy, "action": plan.action, "source_rank": plan.source_rank,
                           "receivers": plan.receivers, "world_size": plan.world_size,
