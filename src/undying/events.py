@@ -92,6 +92,9 @@ CRASH_LOOP = "crash_loop"
 # A node's agent wrote a probe under its T2 root that the controller cannot read under its own (root_probe.py):
 # host, problem. Before the first generation the job fails; later the node's hello is refused.
 CHECKPOINT_ROOT_UNSHARED = "checkpoint_root_unshared"
+# The job was asked to stop (SIGTERM, undying stop): every rank finishes its step in flight, then all
+# persist the newest committed step (why). The job ends as "stopped" once that checkpoint is committed.
+STOP_BEGIN = "stop_begin"
 
 
 @dataclass

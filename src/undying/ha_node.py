@@ -36,7 +36,8 @@ from undying.root_probe import t2_root, writes_t2
 from undying.shm import remove_job_dir
 
 BACKUP_REFRESH_S = 1.0
-EXIT_BY_STATE = {JobState.SUCCEEDED.value: 0, JobState.FAILED.value: 1, JobState.CANCELLED.value: 130}
+EXIT_BY_STATE = {JobState.SUCCEEDED.value: 0, JobState.FAILED.value: 1, JobState.CANCELLED.value: 130,
+                 JobState.STOPPED.value: 75}
 
 
 class ControllerCandidate(threading.Thread):

@@ -23,7 +23,7 @@ import time
 from undying import events as ev
 from undying.client import format_address
 from undying.console import emit_job_start, print_event
-from undying.controller import Controller, ControllerServer, JobStore
+from undying.controller import Controller, ControllerServer, JobState, JobStore
 from undying.events import EventLog
 from undying.launch_options import LaunchOptions
 from undying.procs import die_with_parent, kill_group
@@ -170,7 +170,13 @@ def launch(options: LaunchOptions) -> int:
     emit_job_start(controller, options, server.address, store.port, job_id)
 
     def on_signal(signum: int, frame: object) -> None:
-        controller.cancel(f"received {signal.Signals(signum).name}")
+        # The first signal stops the job after its newest committed step is persisted; another, at once.
+        name = signal.Signals(signum).name
+        at_once = controller.machine.stop_requested is not None
+        if not options.quiet and not at_once and controller.state is JobState.RUNNING:
+            print(f"[undying] {name}: stopping once the newest step is persisted ({name} again: at once)",
+                  file=sys.stderr, flush=True)
+        controller.request_stop(f"{'received ' + name if not at_once else name + ' again'}", at_once=at_once)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     local_nodes = range(spec.nnodes) if options.node_rank is None else [0]

@@ -62,6 +62,7 @@ class PlanAction(StrEnum):
     WAIT = "wait"  # not ready yet: ask again
     RESUME = "resume"  # build the generation's group, repair, re-run the step in flight
     DUMP = "dump"  # the source writes the committed state to storage, then the job restarts
+    PERSIST = "persist"  # the job stops: every rank writes its part of the target step's T2 checkpoint
     EXIT = "exit"  # this process has no part in what comes next
 
 

@@ -20,6 +20,7 @@ class StrategyName(StrEnum):
     DUMP = "dump"  # the dying checkpoint, then a job restart
     JOB_RESTART = "job-restart"  # every worker restarts from the newest verified checkpoint
     EXIT = "exit"  # stop the job with a non-zero exit
+    STOP = "stop"  # not a recovery: the job was asked to stop; every rank persists its newest committed step
 
 
 # The process-level strategies and the dump, in MindCluster's order of preference.

@@ -170,7 +170,7 @@ def test_authorized_requests_do_what_they_say(served):
         assert client.post(ROUTE_INJECT_CLAIM, claim) == {"granted": True}
         assert client.post(ROUTE_INJECT_CLAIM, claim) == {"granted": False}
         assert controller.claimed_injections == {0}
-        client.post(ROUTE_JOB_STOP, {"reason": "stopped by test"})
+        client.post(ROUTE_JOB_STOP, {"reason": "stopped by test", "now": True})
         assert controller.state is JobState.CANCELLED
         assert controller.message == "stopped by test"
     finally:

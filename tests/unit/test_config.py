@@ -225,7 +225,7 @@ def test_unknown_top_level_field_lists_every_field() -> None:
 def test_nested_checkpoint_errors_use_dotted_path() -> None:
     assert str(spec_error({"checkpoint.bogus": 3})) == (
         "job spec: checkpoint.bogus: unknown field; allowed: dir, interval, keep, snapshot_interval, "
-        "snapshot_budget, snapshot_slots, overlap, peer_copy (got 3)"
+        "snapshot_budget, snapshot_slots, overlap, peer_copy, persist (got 3)"
     )
     assert str(spec_error({"checkpoint.interval": "often"})) == (
         "job spec: checkpoint.interval: not an integer; allowed: >= 1 (got 'often')"
@@ -241,7 +241,7 @@ def test_nested_checkpoint_errors_use_dotted_path() -> None:
     assert "unknown fsspec protocol 'nosuch'" in str(spec_error({"checkpoint.dir": "simplecache::nosuch://b"}))
     assert str(spec_error({"checkpoint": 5})) == (
         "job spec: checkpoint: not a mapping; allowed: a mapping with keys: dir, interval, keep, "
-        "snapshot_interval, snapshot_budget, snapshot_slots, overlap, peer_copy (got 5)"
+        "snapshot_interval, snapshot_budget, snapshot_slots, overlap, peer_copy, persist (got 5)"
     )
 
 

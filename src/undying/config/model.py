@@ -139,6 +139,8 @@ class JobSpec(BaseModel):
     # Seconds a live rank may go without committing a step before it counts as hung (None: off).
     step_timeout: float | None = Field(None, gt=0)
     node_return_timeout: float = Field(120.0, gt=0)
+    # Seconds a job asked to stop (SIGTERM, undying stop) has to persist its newest step before it is cancelled.
+    stop_timeout: float = Field(120.0, gt=0)
     watchdog: Literal["on", "off", "detect-only"] = "on"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
@@ -171,6 +173,7 @@ class JobSpec(BaseModel):
         "start_timeout",
         "step_timeout",
         "node_return_timeout",
+        "stop_timeout",
         "nnodes",
         "min_nodes",
         "nproc_per_node",

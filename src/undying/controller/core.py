@@ -291,6 +291,11 @@ class Controller:
         with self._cond:
             self._apply(lambda now: self.machine.cancel(now, why))
 
+    def request_stop(self, why: str, at_once: bool = False) -> None:
+        """Stop the job: its newest committed step persisted first, unless ``at_once`` (JobMachine.request_stop)."""
+        with self._cond:
+            self._apply(lambda now: self.machine.request_stop(now, why, at_once))
+
     def status(self) -> dict[str, Any]:
         with self._cond:
             return job_status(self.machine, time.monotonic())

@@ -51,6 +51,7 @@ class Deadlines:
     start: float  # no first heartbeat for this long: the rank did not start
     step: float | None  # the step-progress watchdog (None: off)
     reschedule_wait: float  # a lost node's time to come back before an elastic shrink
+    graceful_stop: float = 120.0  # a job asked to stop persists its newest step within this, or is cancelled
     stop: float = STOP_TIMEOUT
     exit_grace: float = EXIT_GRACE
     step_failed_grace: float = STEP_FAILED_GRACE
@@ -70,4 +71,5 @@ class Deadlines:
             start=spec.start_timeout,
             step=spec.step_timeout,
             reschedule_wait=spec.reschedule_wait(),
+            graceful_stop=spec.stop_timeout,
         )

@@ -86,6 +86,8 @@ class JobMachine:
         self.job_restarts = 0  # the job-level restarts among them
         self.crash_loop = CrashLoop(spec.crash_loop_limit)
         self.persist_health = PersistHealth()
+        self.stop_requested: str | None = None  # why the job was asked to stop (a graceful stop follows)
+        self.stop_deadline = 0.0
         self.exit_code: int | None = None
         self.message = ""
         self.membership = Membership(spec.nnodes, spec.nproc_per_node)
@@ -274,7 +276,7 @@ class JobMachine:
             failed = self.persist_health.failed(event.step, event.rank, str(event.details.get("reason", "")), now)
             if failed is not None:
                 self.emit(ev.CHECKPOINT_FAILED, step=event.step, generation=event.generation, details=failed)
-        if event.kind == ev.DUMP_COMMITTED and self.recovery is not None:
+        if event.kind in (ev.DUMP_COMMITTED, ev.CHECKPOINT_SAVE, ev.PERSIST_FAILED) and self.recovery is not None:
             strategies.executor_for(self.recovery.strategy).on_worker_event(self, event, now)
 
     def check_in(self, now: float, request: RecoverRequest) -> Plan:
@@ -309,6 +311,21 @@ class JobMachine:
         if not self.state.terminal:
             self.finish(JobState.CANCELLED, EXIT_CANCELLED, why, now)
 
+    def request_stop(self, now: float, why: str, at_once: bool = False) -> None:
+        """Stop the job: gracefully (every rank persists the newest committed step, strategies/stop.py)
+        as soon as it trains, or at once (``at_once``, a job that writes no T2 or has not started:
+        cancelled). Asking again for a graceful stop (every node of a Slurm step is signalled) changes nothing."""
+        self.now = now
+        if self.state.terminal or (self.stop_requested is not None and not at_once):
+            return
+        if at_once or not self.spec.checkpoint.persist or self.state is JobState.WAITING_FOR_NODES:
+            self.cancel(now, why)
+            return
+        self.stop_requested = why
+        self.stop_deadline = now + self.deadlines.graceful_stop
+        if self.state is JobState.RUNNING:
+            strategies.begin_stop(self, why, now)
+
     # ---------------------------------------------------------------- time passing
 
     def tick(self, now: float) -> None:
@@ -317,6 +334,14 @@ class JobMachine:
             return
         for node, why in self.detector.silent_agents(now):
             self.lose_node(node, why, now)
+        if self.stop_requested is not None:
+            if now > self.stop_deadline:
+                self.cancel(now, f"{self.stop_requested}; the newest step could not be persisted within "
+                                 f"stop_timeout ({self.spec.stop_timeout:g} s)")
+                return
+            if self.state is JobState.RUNNING:
+                strategies.begin_stop(self, self.stop_requested, now)
+                return
         if self.state is JobState.WAITING_FOR_NODES:
             if self.membership.all_nodes_alive():
                 self.start_generation(now)

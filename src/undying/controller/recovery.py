@@ -50,6 +50,8 @@ class ActiveRecovery:
 
     @property
     def action(self) -> str:
+        if self.strategy == StrategyName.STOP:
+            return PlanAction.PERSIST
         return PlanAction.DUMP if self.strategy == StrategyName.DUMP else PlanAction.RESUME
 
     def missing(self) -> list[int]:

@@ -238,7 +238,8 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
             elif self.path == ROUTE_INJECT_CLAIM:
                 self._json(Granted(controller.claim_injection(InjectionClaim.from_dict(payload))).to_dict())
             elif self.path == ROUTE_JOB_STOP:
-                controller.cancel(str(payload.get("reason") or "stopped through the HTTP endpoint"))
+                controller.request_stop(str(payload.get("reason") or "stopped through the HTTP endpoint"),
+                                        at_once=payload.get("now") is True)
                 self._json({"ok": True})
             else:
                 self._json({"error": "not found"}, 404)

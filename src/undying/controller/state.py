@@ -12,6 +12,8 @@ import enum
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_REFUSED = 2  # the job cannot run as configured (e.g. its nodes do not share the T2 root)
+# Stopped on request with its newest committed step persisted: run it again (requeue) to resume there.
+EXIT_STOPPED = 75  # EX_TEMPFAIL
 EXIT_CANCELLED = 130
 
 
@@ -24,10 +26,11 @@ class JobState(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    STOPPED = "stopped"  # stopped on request (SIGTERM, undying stop) after persisting its newest step
 
     @property
     def terminal(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.STOPPED)
 
 
 ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
@@ -35,12 +38,14 @@ ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.RUNNING: frozenset(
         {JobState.RECOVERING, JobState.STOPPING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
     ),
-    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.STOPPING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.STOPPING, JobState.FAILED, JobState.CANCELLED,
+                                    JobState.STOPPED}),
     JobState.STOPPING: frozenset({JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED}),
     JobState.RESTARTING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
+    JobState.STOPPED: frozenset(),
 }
 
 

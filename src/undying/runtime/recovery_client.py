@@ -118,6 +118,9 @@ class RecoveryClient:
         if plan.action == PlanAction.DUMP:
             self.injections.at_point(DUMP, plan.target_step)
             self.dying_checkpoint.write(plan)
+        if plan.action == PlanAction.PERSIST and self.state.committed_step == plan.target_step:
+            # The job stops: this rank writes its part of the newest committed step, then waits to be stopped.
+            self.checkpoints.persist_now(plan.target_step)
         if plan.action != PlanAction.RESUME:
             self._park()
         if plan.store:

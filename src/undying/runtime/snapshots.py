@@ -229,6 +229,15 @@ class CheckpointEngine:
         persister.submit(step, self.membership.generation, list(self.membership.members),
                          self.injections.persist_fault(step))
 
+    def persist_now(self, step: int) -> None:
+        """The job stops: write the T2 checkpoint of committed ``step`` (every rank its part, as at a
+        checkpoint step) and wait until it is done and reported."""
+        self.settle()
+        self.save(step)
+        persister = self._ensure_persister()
+        persister.flush()
+        self._report_results()
+
     def _report_results(self) -> None:
         if self._persister is None:
             return

@@ -22,6 +22,7 @@ from undying.controller.strategies.dump import Dump
 from undying.controller.strategies.elastic import Elastic
 from undying.controller.strategies.job_restart import Exit, JobRestart
 from undying.controller.strategies.process import Recover, RecoverInPlace, Retry
+from undying.controller.strategies.stop import GracefulStop
 from undying.faults import PROCESS_FAULTS, Fault, FaultReason
 from undying.protocol import Phase
 from undying.strategy_names import CHAIN_ORDER, StrategyName
@@ -35,13 +36,14 @@ __all__ = ["BUILT", "Attempt", "Decision", "Executor", "RecoveryContext", "act_o
 ELASTIC_EXECUTOR = Elastic()
 JOB_RESTART_EXECUTOR = JobRestart()
 EXIT_EXECUTOR = Exit()
+STOP_EXECUTOR = GracefulStop()
 # Strategies this version carries out. The others are validated and reported, then skipped.
 BUILT: dict[StrategyName, Executor] = {
     StrategyName.RETRY: Retry(), StrategyName.RECOVER_IN_PLACE: RecoverInPlace(), StrategyName.RECOVER: Recover(),
     StrategyName.ELASTIC: ELASTIC_EXECUTOR, StrategyName.DUMP: Dump(),
 }
 _EVERY: dict[StrategyName, Executor] = {**BUILT, StrategyName.JOB_RESTART: JOB_RESTART_EXECUTOR,
-                                        StrategyName.EXIT: EXIT_EXECUTOR}
+                                        StrategyName.EXIT: EXIT_EXECUTOR, StrategyName.STOP: STOP_EXECUTOR}
 
 
 def executor_for(name: str) -> Executor:
@@ -116,6 +118,12 @@ def act_on(job: JobMachine, fault: Fault, now: float, excluded: frozenset[Strate
                       "lost_ranks": sorted(lost)})
     attempt = Attempt(fault, frozenset(lost), excluded, decision.reason)
     executor_for(decision.strategy).start(job, attempt, now)
+
+
+def begin_stop(job: JobMachine, why: str, now: float) -> None:
+    """The job was asked to stop: every rank persists the newest committed step first (stop.py)."""
+    fault = Fault(FaultReason.STOP_REQUESTED, step=job.membership.committed_step(), detail=why)
+    STOP_EXECUTOR.start(job, Attempt(fault, frozenset(), frozenset(), why), now)
 
 
 def stop_crash_loop(job: JobMachine, why: str, now: float) -> None:

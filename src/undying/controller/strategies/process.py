@@ -141,8 +141,8 @@ class ProcessRecovery:
                  details={"strategy": plan.strategy, "action": plan.action, "source_rank": plan.source_rank,
                           "receivers": plan.receivers, "world_size": plan.world_size,
                           "seconds": round(now - recovery.started, 4)})
-        if plan.action == PlanAction.DUMP:
-            return  # the dump's source writes; the job restarts once it is committed
+        if plan.action != PlanAction.RESUME:
+            return  # the dump's source (or, at a stop, every rank) writes; the job goes on once it is committed
         old_world = len(membership.members)
         membership.members = list(plan.members)
         membership.ranks = {rank: membership.ranks[rank] for rank in membership.members}
