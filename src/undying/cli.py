@@ -284,12 +284,26 @@ def command_status(args: argparse.Namespace) -> int:
             Console().print(render_status(client.get("/status")))
         return 0
     except (ControllerUnreachable, Unauthorized, ValueError) as error:
+        ended = _job_end(Path(args.run_dir)) if args.run_dir is not None else None
+        if ended is not None:  # the controller went away because the job ended: say how
+            print(f"undying: the job ended: {ended.details.get('outcome')}: {ended.details.get('message')}")
+            return 0
         print(f"undying: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
         client.close()
+
+
+def _job_end(run_dir: Path) -> Any:
+    """The run's ``job_end`` event, if its log has one."""
+    from undying.events import JOB_END, read_events
+
+    try:
+        return next((event for event in reversed(read_events(run_dir)) if event.kind == JOB_END), None)
+    except OSError:
+        return None
 
 
 def _run_dir_controller(run_dir: Path, token_file: str | None) -> tuple[str, str, Any]:

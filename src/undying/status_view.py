@@ -151,7 +151,7 @@ def _age(seconds: float) -> str:
     if seconds < 60:
         return f"{seconds:.0f} s"
     if seconds < 3600:
-        return f"{seconds / 60:.0f} min"
+        return f"{int(seconds // 60)} min {int(seconds % 60)} s"
     return f"{seconds / 3600:.1f} h"
 
 
