@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from undying.controller.machine import JobMachine
+from undying.controller.membership import RankRecord
 from undying.controller.metrics import JobMetrics
 
 
@@ -49,7 +50,7 @@ def _machine_status(job: JobMachine, now: float) -> dict[str, Any]:
             for n in membership.nodes.values()
         },
         "ranks": {
-            str(r.rank): {"node": r.node, "step": r.step, "phase": r.phase, "pid": r.pid,
+            str(r.rank): {"node": r.node, "step": r.step, "phase": r.phase, "pid": r.pid or _agent_pid(job, r),
                           "generation": r.spawn_generation,
                           "done": r.done, "exitcode": r.exitcode,
                           "seconds_since_heartbeat": None if r.last_heartbeat is None
@@ -57,3 +58,10 @@ def _machine_status(job: JobMachine, now: float) -> dict[str, Any]:
             for r in membership.ranks.values()
         },
     }
+
+
+def _agent_pid(job: JobMachine, record: RankRecord) -> int | None:
+    """The PID the rank's agent reported for its process, before the process's first heartbeat."""
+    node = job.membership.nodes.get(record.node)
+    status = node.workers.get(record.rank) if node is not None else None
+    return status.pid if status is not None and status.generation >= record.spawn_generation else None
