@@ -31,6 +31,10 @@ def test_bad_names_and_values_are_one_clear_error(values, message):
     assert message in str(error.value) and str(error.value).startswith("ft.log: ")
 
 
+def test_none_is_no_news():
+    assert checked_scalars({"loss": None, "lr": 0.5}, logged=("loss",)) == {"lr": 0.5}
+
+
 def test_the_number_of_names_is_bounded():
     logged = [f"s{index}" for index in range(MAX_SCALARS)]
     assert checked_scalars({"s0": 1.0}, logged) == {"s0": 1.0}

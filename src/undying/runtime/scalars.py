@@ -23,13 +23,15 @@ MAX_SCALARS = 32  # distinct names per rank: every name is a metric the controll
 
 def checked_scalars(values: dict[str, Any], logged: Collection[str]) -> dict[str, float]:
     """``values`` as plain floats, or ValueError naming the first bad name or value; ``logged``:
-    the names this rank logged before (they count against ``MAX_SCALARS``)."""
+    the names this rank logged before (they count against ``MAX_SCALARS``). A value of None is no
+    news (a step that failed before its loss was known): the name keeps its last value."""
     scalars: dict[str, float] = {}
     for name, value in values.items():
         if not NAME_PATTERN.fullmatch(name) or name in RESERVED_NAMES:
             raise ValueError(f"ft.log: scalar name {name!r}: allowed letters, digits and '_' (not first a digit), "
                              f"other than {', '.join(sorted(RESERVED_NAMES))}")
-        scalars[name] = _as_float(name, value)
+        if value is not None:
+            scalars[name] = _as_float(name, value)
     names = set(logged) | set(scalars)
     if len(names) > MAX_SCALARS:
         raise ValueError(f"ft.log: allowed at most {MAX_SCALARS} scalar names per rank (got {len(names)}: "
