@@ -114,14 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=80)
     demo.add_argument("--inject", default="kill:rank=1:step=45")
     demo.add_argument("--no-compare", action="store_true", help="skip the fault-free reference run")
-    report = commands.add_parser("report", help="summarize a run and draw its timeline (SVG)")
+    report = commands.add_parser("report", help="summarize a run and draw it (timeline.svg, report.png)")
     report.add_argument("run_dir")
     report.add_argument("-o", "--output", help="SVG path (default RUN_DIR/timeline.svg)")
-    status = commands.add_parser("status", help="ask a running job's controller for its status")
+    report.add_argument("--png", help="PNG path (default RUN_DIR/report.png)")
+    status = commands.add_parser("status", help="show a running job: a table of its nodes and ranks "
+                                 "(--watch: redrawn in place), or its /status as JSON")
+    status.add_argument("run_dir", nargs="?", help="the run directory of a job started here (its controller "
+                        "and token are found in it)")
     status.add_argument("--controller", help="HOST:PORT of the controller")
     status.add_argument("--etcd", metavar="HOST:PORT[,...]", help="a failover job: find its leader in etcd")
     status.add_argument("--job-name", help="with --etcd: the job's name")
-    status.add_argument("--token-file", required=True)
+    status.add_argument("--token-file", help="the job's token (default with RUN_DIR: the one kept there)")
+    status.add_argument("--watch", action="store_true", help="redraw the table in place until the job ends")
+    status.add_argument("--interval", type=float, default=1.0, help="with --watch: seconds between redraws")
+    status.add_argument("--json", action="store_true", help="print the controller's /status as JSON, once")
     k8s = commands.add_parser("k8s", help="Kubernetes: render a job's manifests")
     k8s_commands = k8s.add_subparsers(dest="k8s_command", required=True, parser_class=OneLineParser)
     from undying.k8s.command import add_render_arguments
@@ -224,8 +231,12 @@ def command_report(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "events.jsonl").is_file() and not run_dir.is_file():
         fail(f"{run_dir}: no events.jsonl here")
-    print(render_summary(summarize(read_events(run_dir))))
+    events = read_events(run_dir)
+    print(render_summary(summarize(events)))
     print(f"timeline: {write_report(run_dir, args.output)}")
+    from undying.report.png import write_png
+
+    print(f"report: {write_png(run_dir, events, args.png)}")
     return 0
 
 
@@ -233,23 +244,87 @@ def command_status(args: argparse.Namespace) -> int:
     from undying.client import ControllerClient, ControllerUnreachable, Unauthorized
     from undying.locate import locate_controller
 
-    token = read_token(args.token_file)
-    assert token is not None
-    address = args.controller
-    if address is None:
-        if not args.etcd or not args.job_name:
-            fail("status: give --controller HOST:PORT, or --etcd HOST:PORT with --job-name")
-        address = locate_controller(args.etcd, args.job_name)
-        if address is None:
-            print(f"undying: error: no leader of job {args.job_name} in etcd {args.etcd}", file=sys.stderr)
+    if args.json and args.watch:
+        fail("--json prints the status once; --watch redraws a table: choose one")
+    if not args.interval > 0:
+        fail(f"--interval: allowed seconds > 0 (got {args.interval})")
+    locator = None
+    token: str | None
+    if args.run_dir is not None:
+        address, token, locator = _run_dir_controller(Path(args.run_dir), args.token_file)
+    elif args.controller is not None:
+        if args.token_file is None and not os.environ.get("UNDYING_TOKEN"):
+            fail("--token-file: required with --controller (or give the job's RUN_DIR instead)")
+        address, token = args.controller, read_token(args.token_file)
+    elif args.etcd and args.job_name:
+        if args.token_file is None and not os.environ.get("UNDYING_TOKEN"):
+            fail("--token-file: required with --etcd")
+        etcd, job_name = args.etcd, args.job_name
+        token = read_token(args.token_file)
+        located = locate_controller(etcd, job_name)
+        if located is None:
+            print(f"undying: error: no leader of job {job_name} in etcd {etcd}", file=sys.stderr)
             return 1
+        address, locator = located, (lambda: locate_controller(etcd, job_name))
+    else:
+        fail("status: give the job's RUN_DIR, or --controller HOST:PORT, or --etcd HOST:PORT with --job-name")
+    assert token is not None
+    client = ControllerClient(address, token, locator=locator)
     try:
-        status = ControllerClient(address, token).get("/status")
+        if args.json:
+            print(json.dumps(client.get("/status"), indent=2))
+            return 0
+        from undying.status_view import render_status, watch
+
+        if args.watch:
+            watch(lambda: client.get("/status"), args.interval)
+        else:
+            from rich.console import Console
+
+            Console().print(render_status(client.get("/status")))
+        return 0
     except (ControllerUnreachable, Unauthorized, ValueError) as error:
+        ended = _job_end(Path(args.run_dir)) if args.run_dir is not None else None
+        if ended is not None:  # the controller went away because the job ended: say how
+            print(f"undying: the job ended: {ended.details.get('outcome')}: {ended.details.get('message')}")
+            return 0
         print(f"undying: error: {error}", file=sys.stderr)
         return 1
-    print(json.dumps(status, indent=2))
-    return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
+
+
+def _job_end(run_dir: Path) -> Any:
+    """The run's ``job_end`` event, if its log has one."""
+    from undying.events import JOB_END, read_events
+
+    try:
+        return next((event for event in reversed(read_events(run_dir)) if event.kind == JOB_END), None)
+    except OSError:
+        return None
+
+
+def _run_dir_controller(run_dir: Path, token_file: str | None) -> tuple[str, str, Any]:
+    """A job's controller address, token and (a failover job) leader locator, from its run directory."""
+    from undying.controller_files import TOKEN_FILE, read_controller_record
+    from undying.locate import locate_controller
+
+    try:
+        record = read_controller_record(run_dir)
+    except FileNotFoundError:
+        print(f"undying: error: {run_dir}: no job running from here (no controller.json: it ended, "
+              "or it runs from another directory)", file=sys.stderr)
+        raise SystemExit(1) from None
+    except (OSError, ValueError) as error:
+        fail(f"{run_dir}: cannot read its controller record: {error}")
+    token = read_token(token_file or str(run_dir / TOKEN_FILE))
+    assert token is not None
+    if record.etcd and record.job_name:
+        etcd, job_name = record.etcd, record.job_name
+        return locate_controller(etcd, job_name) or record.address, token, lambda: locate_controller(etcd, job_name)
+    return record.address, token, None
 
 
 def command_k8s_render(args: argparse.Namespace) -> int:

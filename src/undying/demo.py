@@ -51,6 +51,9 @@ def run_demo(args: argparse.Namespace) -> int:
     print("\n== what happened (from the event log)")
     print(render_summary(summary))
     print(f"timeline picture: {write_report(faulty_dir)}")
+    from undying.report.png import write_png
+
+    print(f"report picture: {write_png(faulty_dir)}")
     result = json.loads((faulty_dir / "result.json").read_text())
     if args.no_compare:
         return 0

@@ -31,7 +31,7 @@ GENERATION_START = "generation_start"
 WORKER_STARTED = "worker_started"
 WORKER_EXIT = "worker_exit"
 WORKER_READY = "worker_ready"
-HEARTBEAT = "heartbeat"
+HEARTBEAT = "heartbeat"  # sampled (each rank at most every 0.5 s): phase and the scalars of ft.log
 FAULT_DETECTED = "fault_detected"
 DECISION = "decision"
 RESTART_BEGIN = "restart_begin"
@@ -150,6 +150,13 @@ class EventLog:
                 self._file.flush()
                 os.fsync(self._file.fileno())
                 self._file.close()
+
+
+def heartbeat_scalars(details: dict[str, Any]) -> dict[str, float]:
+    """The scalars a ``heartbeat`` event carries beside its ``phase``: what the rank last passed to
+    ``ft.log`` (loss, lr, ...), by name."""
+    return {name: float(value) for name, value in details.items()
+            if name != "phase" and isinstance(value, int | float) and not isinstance(value, bool)}
 
 
 def read_events(run_dir_or_file: str | os.PathLike[str]) -> list[Event]:

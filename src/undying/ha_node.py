@@ -28,6 +28,7 @@ from undying.client import format_address
 from undying.console import emit_job_start, print_event
 from undying.controller import Controller, ControllerServer, JobState, JobStore
 from undying.controller.ha import Candidate, saved_state
+from undying.controller_files import ControllerRecord, remove_controller_files, write_controller_files
 from undying.etcd import EtcdUnavailable
 from undying.events import EventLog
 from undying.launch_options import LaunchOptions
@@ -100,6 +101,8 @@ class ControllerCandidate(threading.Thread):
             "pid": os.getpid(), "resumed": saved is not None})
         if saved is None:
             emit_job_start(controller, options, address, self.store.port, job_id)
+        write_controller_files(options.run_dir, ControllerRecord(address, job_id, os.getpid(), options.etcd,
+                                                                 options.job_name), self.token)
         threading.Thread(target=self._name_backup_store, args=(candidate, controller), daemon=True,
                          name="backup-store").start()
         exit_code = controller.run()
@@ -111,6 +114,7 @@ class ControllerCandidate(threading.Thread):
             return False  # campaign again: we may lead later
         self.exit_code = exit_code
         remove_job_dir(job_id)
+        remove_controller_files(options.run_dir)
         server.stop()
         candidate.resign()
         events.close()

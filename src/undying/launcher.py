@@ -24,6 +24,7 @@ from undying import events as ev
 from undying.client import format_address
 from undying.console import emit_job_start, print_event
 from undying.controller import Controller, ControllerServer, JobState, JobStore
+from undying.controller_files import ControllerRecord, remove_controller_files, write_controller_files
 from undying.events import EventLog
 from undying.launch_options import LaunchOptions
 from undying.procs import die_with_parent, kill_group
@@ -168,6 +169,8 @@ def launch(options: LaunchOptions) -> int:
     agents.job_id = job_id
     agents_holder.append(agents)
     emit_job_start(controller, options, server.address, store.port, job_id)
+    # `undying status RUN_DIR` finds the controller and its token here while the job runs.
+    write_controller_files(options.run_dir, ControllerRecord(agents.controller_address, job_id, os.getpid()), token)
 
     def on_signal(signum: int, frame: object) -> None:
         # The first signal stops the job after its newest committed step is persisted; another, at once.
@@ -193,6 +196,7 @@ def launch(options: LaunchOptions) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         server.stop()
+        remove_controller_files(options.run_dir)
         events.close()
     assert exit_code is not None  # only a failover job's controller (ha_node.py) is ever deposed
     if exit_code != 0:

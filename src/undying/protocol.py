@@ -269,7 +269,8 @@ class Heartbeat(Message):
     step: int  # committed steps so far
     phase: str
     pid: int
-    loss: float | None = None
+    # The newest value of each scalar the worker logged (``ft.log(loss=..., lr=...)``): name -> value.
+    scalars: dict[str, float] = field(default_factory=dict)
     mesh_shard: int = 0  # a sharded job's ranks per replica (ft.device_mesh's shard); 0: not sharded
 
 

@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -104,9 +105,16 @@ def test_running_job_refuses_clients_without_token(tmp_path: Path) -> None:
         wrong = tmp_path / "wrong"
         wrong.write_text("w" * 32)
         assert cli("status", "--controller", address, "--token-file", str(wrong)).returncode == 1
-        status = cli("status", "--controller", address, "--token-file", str(token_file))
+        status = cli("status", "--controller", address, "--token-file", str(token_file), "--json")
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["state"] == "running"
+        # The run directory is enough: the controller's address and the token (mode 0600) are kept there.
+        assert stat.S_IMODE((run_dir / "controller.token").stat().st_mode) == 0o600
+        table = cli("status", str(run_dir))
+        assert table.returncode == 0, table.stderr
+        assert table.stdout.startswith("job ") and " running " in table.stdout.splitlines()[0]
+        assert all(word in table.stdout for word in ("rank", "pid", "phase", "heartbeat"))
+        assert json.loads(cli("status", str(run_dir), "--json").stdout)["world_size"] == 4
         assert process.poll() is None, "the job must keep running"
         refused = [e for e in read_events(run_dir) if e.kind == ev.AUTH_REFUSED]
         assert len(refused) >= 13
@@ -119,6 +127,10 @@ def test_running_job_refuses_clients_without_token(tmp_path: Path) -> None:
         if process.poll() is None:
             process.kill()
     assert wait_no_processes(mark) == []
+    # The job is over: nothing in its run directory points at a controller any more.
+    assert not (run_dir / "controller.token").exists()
+    ended = cli("status", str(run_dir))
+    assert ended.returncode == 1 and "no job running from here" in ended.stderr
 
 
 def test_report_summarizes_and_draws(tmp_path: Path) -> None:
@@ -137,6 +149,7 @@ def test_report_summarizes_and_draws(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "succeeded" in result.stdout
     assert (tmp_path / "timeline.svg").read_text().startswith("<svg")
+    assert (tmp_path / "report.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_node_started_with_another_spec_is_refused_and_the_same_spec_joins(tmp_path: Path) -> None:

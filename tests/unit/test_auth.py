@@ -193,7 +193,7 @@ def test_status_is_json_and_metrics_are_prometheus_text(served):
         assert isinstance(metrics, str)
         assert "# TYPE undying_generation gauge" in metrics
         assert "undying_generation 0.0" in metrics
-        assert 'undying_job_state{state="waiting_for_nodes"} 1.0' in metrics
+        assert 'undying_job_state{undying_job_state="waiting_for_nodes"} 1.0' in metrics
         events = client.get(ROUTE_EVENTS)
         assert isinstance(events, list)
     finally:

@@ -1020,3 +1020,17 @@ def test_a_job_restart_waits_until_a_stopped_worker_is_gone(make_job):
     assert job.controller.state is JobState.STOPPING
     job.poll(1, 1, job.statuses(1, 1, WorkerState.EXITED, -9, "SIGKILL"))
     job.wait_state(JobState.RESTARTING)
+
+
+def test_a_beat_from_a_process_not_restored_yet_never_takes_the_committed_step_back(make_job):
+    """A newcomer beats step 0 while it starts and recovers: the job's committed step (what /status
+    and /metrics show, and a lost node's fault step) stays the survivors'."""
+    job = make_job(nnodes=2, nproc_per_node=2)
+    job.start_running()
+    for rank in range(4):
+        job.controller.heartbeat(Heartbeat(rank, rank // 2, 1, 7, Phase.COMPUTING, 2000 + rank))
+    for phase in (Phase.STARTING, Phase.RECOVERING):
+        job.controller.heartbeat(Heartbeat(1, 0, 1, 0, phase, 2001))
+        assert job.controller.machine.membership.committed_step() == 7
+    job.controller.heartbeat(Heartbeat(1, 0, 1, 8, Phase.RECOVERING, 2001))  # a survivor a step ahead
+    assert job.controller.machine.membership.ranks[1].step == 8

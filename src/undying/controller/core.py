@@ -21,6 +21,7 @@ from undying.client import format_address
 from undying.config import JobSpec
 from undying.controller.deadlines import LONGEST_HOLD, TICK
 from undying.controller.machine import Effects, JobMachine
+from undying.controller.metrics import JobMetrics
 from undying.controller.saved_state import export_state, resume
 from undying.controller.state import JobState
 from undying.controller.status import job_status
@@ -93,6 +94,9 @@ class Controller:
         self.in_charge: Callable[[], bool] = lambda: True
         self.machine = JobMachine(spec, job_id, format_address(store_host, store_port), injections_text,
                                   now=time.monotonic(), wall_offset=time.time() - time.monotonic())
+        # Every event this controller logs feeds its metrics (counters, times, the live view).
+        self.metrics = JobMetrics(status=self.status)
+        events.add_listener(self.metrics.observe)
         lock = threading.RLock()
         self._cond = threading.Condition(lock)  # held polls and check-ins wait here for a change
         self._loop_wake = threading.Condition(lock)  # the loop waits here for its next tick or news
@@ -298,7 +302,7 @@ class Controller:
 
     def status(self) -> dict[str, Any]:
         with self._cond:
-            return job_status(self.machine, time.monotonic())
+            return job_status(self.machine, time.monotonic(), self.metrics, time.time())
 
     # ---------------------------------------------------------------- the loop and failover
 

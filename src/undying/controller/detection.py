@@ -153,10 +153,13 @@ class FaultDetector:
     def record_heartbeat(self, record: RankRecord, beat: Heartbeat, now: float) -> None:
         """A heartbeat of the rank's current process: its step, phase and liveness."""
         record.last_heartbeat = now
-        if beat.step != record.step:
-            record.last_progress = now  # armed from a rank's first committed step on
-        record.step = beat.step
-        record.step_known = True
+        # A process starting or in a recovery may not hold its step yet (a newcomer beats step 0 until
+        # it is repaired): such a beat never takes the rank's committed step back.
+        if beat.phase not in (Phase.STARTING, Phase.RECOVERING) or beat.step > record.step:
+            if beat.step != record.step:
+                record.last_progress = now  # armed from a rank's first committed step on
+            record.step = beat.step
+            record.step_known = True
         if not (beat.phase == Phase.STARTING and record.phase != Phase.STARTING and beat.pid == record.pid):
             # A process never returns to starting: such a beat was sent before the one that said it had
             # restored (the heartbeat thread's, overtaken by the worker's own report).

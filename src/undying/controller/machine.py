@@ -253,9 +253,8 @@ class JobMachine:
         if record.logged_step != beat.step and now - record.last_logged >= HEARTBEAT_LOG_EVERY:
             record.last_logged = now
             record.logged_step = beat.step
-            details: dict[str, Any] = {"phase": beat.phase}
-            if beat.loss is not None:
-                details["loss"] = beat.loss
+            # The scalars sit beside the phase (``events.heartbeat_scalars`` reads them back).
+            details: dict[str, Any] = {**beat.scalars, "phase": beat.phase}
             self.emit(ev.HEARTBEAT, node=beat.node, rank=beat.rank, step=beat.step,
                       generation=beat.generation, details=details)
         return reply

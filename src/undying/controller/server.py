@@ -19,7 +19,6 @@ from typing import Any
 from undying import events as ev
 from undying.client import format_address
 from undying.controller.core import Controller, NotInCharge
-from undying.controller.metrics import render_metrics
 from undying.events import Event, read_events
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
@@ -178,7 +177,8 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
             if path == ROUTE_STATUS:
                 self._json(controller.status())
             elif path == ROUTE_METRICS:
-                self._reply(200, render_metrics(controller.status()), "text/plain; version=0.0.4")
+                body, content_type = controller.metrics.render(self.headers.get("Accept"))
+                self._reply(200, body, content_type)
             elif path == ROUTE_EVENTS:
                 since_text = query.split("since=")[1].split("&")[0] if "since=" in query else "0"
                 if not since_text.isdecimal():

@@ -28,6 +28,7 @@ from undying.events import (
     JOB_START,
     NUMERICS_CHANGED,
     RESTART_BEGIN,
+    STEP_FAILED,
     WORKER_DONE,
     WORKER_EXIT,
     Event,
@@ -278,9 +279,10 @@ def _recovery(
         )
         first_step_time = moved.time if moved else None
 
+    fault_step = _fault_step(fault, fault_generation, before, after)
     steps_lost = None
-    if fault.step is not None and resumed_from is not None:
-        steps_lost = max(0, fault.step - resumed_from)
+    if fault_step is not None and resumed_from is not None:
+        steps_lost = max(0, fault_step - resumed_from)
 
     reason = str(details.get("reason") or "unknown")
     return Recovery(
@@ -288,7 +290,7 @@ def _recovery(
         fault_kind=reason,
         node=fault.node,
         rank=fault.rank,
-        fault_step=fault.step,
+        fault_step=fault_step,
         strategy=strategy,
         resumed_from_step=resumed_from,
         first_step_time=first_step_time,
@@ -300,6 +302,18 @@ def _recovery(
         description=details.get("description")
         or describe_fault(reason, fault.rank, fault.node, exitcode, signal, details.get("detail") or ""),
     )
+
+
+def _fault_step(fault: Event, fault_generation: int | None, before: list[Event],
+                after: list[tuple[Event, int | None]]) -> int | None:
+    """The step the job had reached when the fault struck: the fault's own, or a later one that a
+    survivor reported committed when its step failed in the fault's generation (a fault's step may
+    come from a sampled heartbeat, steps behind)."""
+    nearby = [*before, *(event for event, _ in after)]
+    reported = [e.step for e in nearby
+                if e.kind == STEP_FAILED and e.step is not None and e.generation == fault_generation]
+    steps = [step for step in (fault.step, *reported) if step is not None]
+    return max(steps) if steps else None
 
 
 def _detect_seconds(fault: Event, before: list[Event]) -> float | None:

@@ -39,6 +39,7 @@ from undying.runtime.pg import reapers_alive
 from undying.runtime.recovery_client import RecoveryClient
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng_mirror import MIRROR_TIMEOUT_S, RngMirror
+from undying.runtime.scalars import checked_scalars
 from undying.runtime.sharded import ShardedModel, is_sharded, make_mesh, wrap_sharded
 from undying.runtime.snapshots import CheckpointEngine, checkpoint_root
 from undying.runtime.step_transaction import StepTransaction
@@ -251,8 +252,12 @@ class Runtime:
         ``register`` and named in one warning at the first step."""
         self.state.register(name, obj)
 
-    def log(self, loss: float | None = None) -> None:
-        self.reporter.update(loss=loss)
+    def log(self, **scalars: Any) -> None:
+        """Report scalars of this rank (``ft.log(loss=loss, lr=lr, grad_norm=norm, tokens_per_s=rate)``):
+        each a real number or a one-element tensor. The newest value of each name goes out with the
+        next heartbeat, into the event log, ``undying status`` and ``/metrics`` (``undying_train_<name>``).
+        A tensor is read with ``.item()`` (on a GPU, a sync: pass a number you already have)."""
+        self.reporter.update(scalars=checked_scalars(scalars, self.reporter.scalars))
 
     def steps(self, max_steps: int) -> Iterator[Step]:
         """Yield step numbers from the restored step to ``max_steps - 1``; each yield is one transaction.
@@ -348,7 +353,7 @@ class Runtime:
         directory.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"step": step, "rank": self.rank, "group_rank": self.group_rank,
                            "replicas": self.replicas, "generation": self.generation, "time": time.time(),
-                           "loss": self.reporter.loss,
+                           "loss": self.reporter.scalars.get("loss"),
                            "loaders": [{"epoch": loader.step_epoch, "indices": loader.step_indices,
                                         "slots": loader.slot_count} for loader in self.state.loaders]})
         with open(directory / f"rank{self.rank:05d}.jsonl", "a") as log:

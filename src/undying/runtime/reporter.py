@@ -50,7 +50,7 @@ class Reporter:
         self.interval = interval
         self.step = 0
         self.phase: str = Phase.STARTING
-        self.loss: float | None = None
+        self.scalars: dict[str, float] = {}  # the newest value of each name the script logged (ft.log)
         self.mesh_shard = 0  # set by ft.device_mesh: the controller shrinks a sharded job by whole replicas
         self.abort_generation = 0  # the newest generation the controller told us to abandon
         self.end_generation = 0  # the newest generation the controller ends at a step boundary
@@ -75,7 +75,8 @@ class Reporter:
         """Is there a controller to report to (False in a standalone run)?"""
         return self._client is not None
 
-    def update(self, step: int | None = None, phase: str | None = None, loss: float | None = None) -> None:
+    def update(self, step: int | None = None, phase: str | None = None,
+               scalars: dict[str, float] | None = None) -> None:
         if step is not None and step != self.step:
             self.step = step
             # Progress goes out soon after it happens, so the controller's view of each rank's
@@ -83,8 +84,9 @@ class Reporter:
             self._wake.set()
         if phase is not None:
             self.phase = phase
-        if loss is not None:
-            self.loss = loss
+        if scalars:
+            # A new dict, not an update in place: the heartbeat thread may be encoding the old one.
+            self.scalars = {**self.scalars, **scalars}
 
     def beat_now(self) -> None:
         self._wake.set()
@@ -112,7 +114,7 @@ class Reporter:
 
     def _beat(self, client: ControllerClient) -> None:
         """One heartbeat; its reply says which generations the controller aborted or ends."""
-        beat = Heartbeat(self.rank, self.node, self.generation, self.step, self.phase, os.getpid(), self.loss,
+        beat = Heartbeat(self.rank, self.node, self.generation, self.step, self.phase, os.getpid(), self.scalars,
                          self.mesh_shard)
         sent_at = time.monotonic()
         try:
