@@ -232,6 +232,8 @@ class JobMachine:
             details: dict[str, Any] = {"phase": beat.phase}
             if beat.loss is not None:
                 details["loss"] = beat.loss
+            if beat.max_steps:
+                details["max_steps"] = beat.max_steps
             self.emit(ev.HEARTBEAT, node=beat.node, rank=beat.rank, step=beat.step,
                       generation=beat.generation, details=details)
         return reply
