@@ -409,12 +409,16 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()
     spec = spec_from_json(os.environ[ENV_SPEC])
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    relay = None if args.console_fd is None else OutputRelay(PipeSink(args.console_fd),
-                                                             ConsoleStreams.from_text(args.console_streams))
+    console = None if args.console_fd is None else PipeSink(args.console_fd)
+    relay = None if console is None else OutputRelay(console, ConsoleStreams.from_text(args.console_streams))
     agent = Agent(args.node, spec, args.controller, os.environ[ENV_TOKEN], Path(args.run_dir), command,
                   os.environ.get(ENV_INJECT, ""), spare=args.standby,
                   log_dir=Path(args.log_dir) if args.log_dir else None, relay=relay)
-    return agent.run()
+    try:
+        return agent.run()
+    finally:
+        if console is not None:
+            console.close()  # the undying run process's reader ends with the pipe
 
 
 if __name__ == "__main__":

@@ -117,9 +117,6 @@ class OutputRelay:
             self._followed = {}
             batch = self._read_all(followed, final=True)
         self.sink.lines(batch)
-        close = getattr(self.sink, "close", None)
-        if close is not None:
-            close()
 
     def _relay_forever(self) -> None:
         while not self._closed.wait(self.relay_every):
