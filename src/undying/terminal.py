@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import sys
 import threading
 from collections import deque
@@ -164,7 +163,10 @@ class Terminal:
         if self.progress is None:
             return ""
         text = self.progress() or ""
-        width = shutil.get_terminal_size((80, 24)).columns
+        try:
+            width = os.get_terminal_size(self.err.fileno()).columns
+        except (OSError, ValueError, io.UnsupportedOperation):
+            width = 80
         return text[:max(1, width - 1)]  # a wrapped line could not be redrawn in place
 
 
