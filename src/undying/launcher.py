@@ -85,8 +85,12 @@ class LocalAgents:
                    *(["--standby"] if spare else []), "--", *self.options.command]
         log = open(self.options.worker_log_dir / f"agent{node}.log", "ab")  # noqa: SIM115 - child's
         try:
-            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(console_write,),
-                                       start_new_session=True, preexec_fn=die_with_parent)
+            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       pass_fds=(console_write,), start_new_session=True,
+                                       preexec_fn=die_with_parent)
+        except BaseException:
+            os.close(console_read)
+            raise
         finally:
             log.close()
             os.close(console_write)

@@ -102,8 +102,8 @@ class OutputRelay:
         for (path, offset), holds in files:
             if console & holds == NONE:
                 continue
-            followed.append(_Followed(rank, STDERR if holds == STDERR else STDOUT, path, open(path, "rb"),  # noqa: SIM115
-                                      offset))
+            handle = open(path, "rb")  # noqa: SIM115 - held while the rank's process writes the file
+            followed.append(_Followed(rank, STDERR if holds == STDERR else STDOUT, path, handle, offset))
         self.release(rank)
         with self._lock:
             self._followed[rank] = followed
@@ -150,7 +150,10 @@ def _read_lines(one: _Followed, until_end: bool) -> list[tuple[int, str]]:
                               f"than the console shows them; all of it is in {one.path}"))
         one.offset, one.partial = size, b""
     while one.offset < size:
-        data = os.pread(one.handle.fileno(), min(size - one.offset, READ_CHUNK), one.offset)
+        try:
+            data = os.pread(one.handle.fileno(), min(size - one.offset, READ_CHUNK), one.offset)
+        except OSError:
+            break  # the log's disk failed: the worker's own writes will say so; the relay goes on
         if not data:
             break
         one.offset += len(data)
