@@ -103,10 +103,9 @@ def test_progress_line_in_a_terminal_moves_and_shows_a_fault(tmp_path: Path) -> 
                            "--set", "process_recover=true", "--recover-strategy", "recover-in-place",
                            "--inject", "kill:rank=1:step=25", "--redirects", "3", str(SCRIPT),
                            "--steps", "50", "--step-sleep", "0.1"])
-    env = dict(os.environ, **{MARK_ENV: mark, "TERM": "xterm"})
-    subprocess.run([*tmux, "new-session", "-d", "-x", "160", "-y", "40",
-                    f"cd {shlex.quote(str(REPO))} && {shlex.join(job)}; echo exit code $?; sleep 600"],
-                   env=env, check=True)
+    # Only the job carries the mark: the pane's shell and the tmux server are not the job's processes.
+    pane = f"cd {shlex.quote(str(REPO))} && env {MARK_ENV}={mark} TERM=xterm {shlex.join(job)}; echo exit code $?"
+    subprocess.run([*tmux, "new-session", "-d", "-x", "160", "-y", "40", f"{pane}; sleep 600"], check=True)
     screens: list[str] = []
     try:
         deadline = time.monotonic() + 240
@@ -116,16 +115,15 @@ def test_progress_line_in_a_terminal_moves_and_shows_a_fault(tmp_path: Path) -> 
                                           text=True, check=True).stdout)
     finally:
         subprocess.run([*tmux, "kill-server"], check=False)
-    assert screens and "exit code 0" in screens[-1], screens[-1:]
+    final = screens[-1] if screens else ""
+    assert "exit code 0" in final, final
     assert not wait_no_processes(mark)
     # While the job runs, the pane's last line is the live one: its step moves, of the script's 50.
     live = [screen.strip().splitlines()[-1] for screen in screens if screen.strip() and "exit code" not in screen]
     steps = [int(found[1]) for line in live if (found := re.match(r"\[undying\] step (\d+)/50 \(", line))]
-    assert len(set(steps)) >= 3 and steps == sorted(steps), live
+    assert len(set(steps)) >= 3, live  # (a recovery that ends in a job restart may take it back)
     assert any(re.search(r"steps/s \| ETA \d:\d\d:\d\d \| loss ", line) for line in live), live
-    faulty = [line for line in live if "| 1 fault" in line]
-    assert faulty, "the progress line counts the injected fault"
+    assert any(re.search(r"\| \d+ faults?\b", line) for line in live), ("the live line counts the fault", live)
     # The fault's event line is printed above the live line, which is never left among the others.
-    final = screens[-1]
-    assert re.search(r"\] node 0 rank 1 .*: FAULT ", final) and "job succeeded" in final, final
+    assert re.search(r": FAULT rank \d", final) and "job succeeded" in final, final
     assert not re.search(r"\[undying\] step \d+/50", final), final
