@@ -20,6 +20,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	@scripts/ensure-etcd.sh
+	@scripts/ensure-tmux.sh
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 lint: $(STAMP)

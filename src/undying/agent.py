@@ -24,8 +24,10 @@ from pathlib import Path
 
 from undying.client import ControllerClient, ControllerUnreachable, Unauthorized, parse_address
 from undying.config import JobSpec, spec_from_json, spec_to_dict
+from undying.console_streams import ConsoleStreams
 from undying.locate import locator_from_env
 from undying.log_tail import read_tail
+from undying.output_relay import OutputRelay, PipeSink
 from undying.procs import WorkerProcess, available_memory, die_with_parent, signal_name, stop_processes
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
@@ -47,6 +49,7 @@ from undying.standby import can_serve
 from undying.stopped_workers import STOPPED_CHECK_EVERY, StoppedWorkers
 from undying.warm_standby import WarmStandby
 from undying.worker_env import ENV_INJECT, ENV_SPEC, ENV_TOKEN, WorkerEnv
+from undying.worker_logs import WorkerLogs
 
 ENV_DIE_WITH_PARENT = "UNDYING_AGENT_DIE_WITH_PARENT"
 ENV_WARM = "UNDYING_WARM_STANDBY"  # "1" in a worker forked from the node's warm standby
@@ -80,12 +83,16 @@ class Agent:
         command: list[str],
         injections_text: str = "",
         spare: bool = False,
+        log_dir: Path | None = None,
+        relay: OutputRelay | None = None,
     ) -> None:
         self.node = node
         self.spare = spare  # a standby node until it adopts a lost node's place
         self.spec = spec
         self.token = token
         self.run_dir = run_dir
+        self.log_dir = log_dir or run_dir / "logs"  # the workers' and the standby's logs (--log-dir)
+        self.relay = relay  # relays the workers' log lines to the console (output_relay.py); None: not shown
         self.command = command
         self.injections_text = injections_text
         # A failover job's agent follows the controller to wherever etcd says it now runs.
@@ -130,6 +137,8 @@ class Agent:
             return 2
         finally:
             self._stop_workers(grace=0.0)
+            if self.relay is not None:
+                self.relay.close()  # the workers' last lines, then no more
             self._drop_standby()
             if self.job_id:
                 remove_node_dir(self.job_id, self.node)  # this node's T1 snapshots end with the job
@@ -291,8 +300,6 @@ class Agent:
 
     def _spawn(self, rank: int, order: Order, joining: bool) -> None:
         master_addr, _ = parse_address(self.controller_address)
-        log_dir = self.run_dir / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
         worker_env = WorkerEnv(
             rank=rank, local_rank=self.local_ranks[rank], world_size=order.world_size,
             local_world_size=self.spec.nproc_per_node, node=self.node, generation=order.generation,
@@ -302,24 +309,23 @@ class Agent:
             master_addr=master_addr, master_port=order.store_port, members=tuple(order.members))
         env = {**os.environ, **worker_env.to_environ()}
         env.pop(ENV_DIE_WITH_PARENT, None)
-        log_path = self.log_paths[rank] = log_dir / f"rank{rank}.log"
-        log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+        logs = WorkerLogs(self.log_dir, rank, self.local_ranks[rank], self.relay)
+        # Its traceback is in the stderr log where the streams are split (output_relay.worker_log_paths).
+        self.log_paths[rank] = logs.stderr_path or logs.stdout_path
         self._keep_standby()
         standby = self.standby if self.standby is not None and self.standby.usable() else None
         labels = ["replacement"] * joining + ["warm standby"] * (standby is not None)
         kind = f" ({', '.join(labels)})" if labels else ""
-        log.write(f"--- generation {order.generation}{kind} ---\n".encode())
-        log.flush()
+        logs.note(f"generation {order.generation}{kind}")
         process: WorkerProcess | None = None
         if standby is not None:
-            process = standby.fork({**env, ENV_WARM: "1"}, self.command, log_path)
+            process = standby.fork({**env, ENV_WARM: "1"}, self.command, logs.stdout_path, logs.stderr_path)
             if process is None:
-                log.write(b"--- the warm standby is gone: started as a plain python process ---\n")
-                log.flush()
+                logs.note("the warm standby is gone: started as a plain python process")
         if process is None:
-            process = subprocess.Popen(self.command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       preexec_fn=die_with_parent)
-        log.close()
+            process = subprocess.Popen(self.command, env=env, stdout=logs.stdout,
+                                       stderr=logs.stderr or subprocess.STDOUT, preexec_fn=die_with_parent)
+        logs.started()
         # Its generation first: the reporting threads read both for every rank in ``workers``.
         self.worker_generations[rank] = order.generation
         self.workers[rank] = process
@@ -383,9 +389,8 @@ class Agent:
             self.standby = None
         if self.standby is None and self.standby_due is not None and time.monotonic() >= self.standby_due \
                 and can_serve(self.command) and self._memory_for_standby():
-            log_dir = self.run_dir / "logs"
-            log_dir.mkdir(parents=True, exist_ok=True)
-            self.standby = WarmStandby(log_dir / f"standby{self.node}.log")
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.standby = WarmStandby(self.log_dir / f"standby{self.node}.log")
             self.standby_due = None
 
     def _memory_for_standby(self) -> bool:
@@ -416,15 +421,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--controller", required=True)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--standby", action="store_true", help="a spare node: no ranks until it adopts one")
+    parser.add_argument("--log-dir", help="where the workers' logs go (default RUN_DIR/logs)")
+    parser.add_argument("--console-fd", type=int, help="a pipe to undying run: workers' lines for its console")
+    parser.add_argument("--console-streams", default="",
+                        help="the streams each local rank shows on the console (console_streams.py)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if os.environ.get(ENV_DIE_WITH_PARENT) == "1":
         die_with_parent()
     spec = spec_from_json(os.environ[ENV_SPEC])
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    console = None if args.console_fd is None else PipeSink(args.console_fd)
+    relay = None if console is None else OutputRelay(console, ConsoleStreams.from_text(args.console_streams))
     agent = Agent(args.node, spec, args.controller, os.environ[ENV_TOKEN], Path(args.run_dir), command,
-                  os.environ.get(ENV_INJECT, ""), spare=args.standby)
-    return agent.run()
+                  os.environ.get(ENV_INJECT, ""), spare=args.standby,
+                  log_dir=Path(args.log_dir) if args.log_dir else None, relay=relay)
+    try:
+        return agent.run()
+    finally:
+        if console is not None:
+            console.close()  # the undying run process's reader ends with the pipe
 
 
 if __name__ == "__main__":

@@ -16,8 +16,11 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
+from undying import __version__
 from undying.config import SpecError, load_job_spec
+from undying.console_streams import StreamOptionError, console_streams
 from undying.inject import InjectionSpecError, check_targets, encode, parse_injections
+from undying.torchrun_flags import FlagError, add_torchrun_arguments, controller_flags, nproc_per_node
 
 EXIT_USAGE = 2
 
@@ -59,8 +62,8 @@ def parse_set(items: list[str]) -> dict[str, Any]:
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nnodes", default=None, help="nodes (N or MIN:MAX); default 1")
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=None,
-                        help="workers per node; default 1")
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=None,
+                        help="workers per node: N, or auto, cpu, gpu (torchrun's meanings); default 1")
     parser.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None,
                         help="this node's rank (multi-node); omit to simulate every node on this machine")
     parser.add_argument("--standby", type=int, default=0, metavar="K",
@@ -73,8 +76,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="job spec YAML")
     parser.add_argument("--run-dir", help="where events.jsonl, logs, checkpoints and result.json go")
     parser.add_argument("--controller", help="HOST:PORT of the controller (node 0 binds its port; others join)")
-    parser.add_argument("--controller-bind", default="127.0.0.1",
-                        help="address the controller and its store listen on (default loopback only)")
+    parser.add_argument("--controller-bind", default=None,
+                        help="address the controller and its store listen on (default loopback only; with "
+                             "--master-addr on node 0 of a multi-node job, that address)")
     parser.add_argument("--token-file", help="file holding the job's secret token (multi-node)")
     parser.add_argument("--etcd", metavar="HOST:PORT[,...]",
                         help="controller failover: every node runs a controller candidate, the leader is "
@@ -95,7 +99,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "raise:rank=R:step=S (repeatable)")
     parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a Python module (python -m)")
     parser.add_argument("--no-python", action="store_true", help="run SCRIPT as an executable, not via python")
-    parser.add_argument("--quiet", action="store_true", help="do not print job events")
+    parser.add_argument("--quiet", action="store_true", help="do not print job events or the progress line")
+    add_torchrun_arguments(parser)
     parser.add_argument("--pod-labels", metavar="FILE", help="Kubernetes: the pod's labels (a Downward API file); "
                         "the seeds' keys (process-recover-enable, ...) override the spec")
     parser.add_argument("--pod-annotations", metavar="FILE", help="Kubernetes: the pod's annotations (a Downward "
@@ -104,6 +109,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="undying", description="Fault-tolerant, resumable distributed training for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"undying {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     run = commands.add_parser("run", help="launch a training script on every node, with recovery")
     add_run_arguments(run)
@@ -170,6 +176,11 @@ def command_run(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = parse_set(args.set)
     if args.nnodes is not None:
         overrides["min_nodes"], overrides["nnodes"] = parse_nnodes(args.nnodes)
+    if args.nproc_per_node is not None:
+        try:
+            args.nproc_per_node = nproc_per_node(args.nproc_per_node)
+        except FlagError as error:
+            fail(str(error))
     for key in ("nproc_per_node", "max_restarts", "monitor_interval"):
         overrides[key] = getattr(args, key)
     overrides["recover_strategy"] = args.recover_strategy
@@ -183,8 +194,12 @@ def command_run(args: argparse.Namespace) -> int:
             spec = apply_pod_metadata_files(spec, args.pod_labels, args.pod_annotations)
         injections = parse_injections(args.inject)
         check_targets(injections, spec.world_size, spec.nnodes)
-    except (SpecError, InjectionSpecError) as error:
+        streams = console_streams(spec.nproc_per_node, args.redirects, args.tee, args.local_ranks_filter)
+        args.controller, args.controller_bind = controller_flags(args, spec.nnodes)
+    except (SpecError, InjectionSpecError, StreamOptionError, FlagError) as error:
         fail(str(error))
+    if args.log_dir is not None and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
+        fail(f"--log-dir: allowed a directory (got {args.log_dir!r}, a file)")
     if spec.compile_cache:
         try:
             Path(spec.compile_cache).mkdir(parents=True, exist_ok=True)
@@ -211,12 +226,13 @@ def command_run(args: argparse.Namespace) -> int:
         if not re.fullmatch(r"\[?[^\s/,]+\]?:\d{1,5}(,\[?[^\s/,]+\]?:\d{1,5})*", args.etcd):
             fail(f"--etcd: allowed HOST:PORT, or several comma-separated (an etcd cluster) (got {args.etcd!r})")
     elif args.node_rank is not None and args.node_rank > 0 and not args.controller:
-        fail("--controller HOST:PORT is required on nodes other than 0")
+        fail("--controller HOST:PORT (or --master-addr HOST) is required on nodes other than 0")
     options = LaunchOptions(
         spec=spec, command=worker_command(args), run_dir=Path(args.run_dir) if args.run_dir else default_run_dir(),
         node_rank=args.node_rank, controller_address=args.controller, controller_bind=args.controller_bind,
         token=read_token(args.token_file), injections_text=encode(injections), quiet=args.quiet,
-        standby_agents=args.standby, etcd=args.etcd, job_name=args.job_name, lease_ttl=args.lease_ttl)
+        standby_agents=args.standby, etcd=args.etcd, job_name=args.job_name, lease_ttl=args.lease_ttl,
+        log_dir=Path(args.log_dir) if args.log_dir else None, console_streams=streams)
     code = launch(options)
     # The interpreter's shutdown would otherwise spend a final GC over torch's object graph (the
     # store imported it), at the end of every job; nothing left is garbage worth that.

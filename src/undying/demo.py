@@ -31,7 +31,7 @@ def _run(run_dir: Path, steps: int, injections: list[str], quiet: bool) -> int:
     for injection in injections:
         command += ["--inject", injection]
     if quiet:
-        command.append("--quiet")
+        command += ["--quiet", "--redirects", "3"]  # nothing on the console: the workers' lines stay in logs/
     command += [str(EXAMPLE), "--steps", str(steps), "--log-every", "10"]
     return subprocess.call(command)
 

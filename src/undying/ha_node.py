@@ -33,8 +33,11 @@ from undying.etcd import EtcdUnavailable
 from undying.events import EventLog
 from undying.launch_options import LaunchOptions
 from undying.locate import ENV_ETCD, ENV_HA_JOB, locate_controller
+from undying.output_relay import OutputRelay
+from undying.progress import Progress
 from undying.root_probe import t2_root, writes_t2
 from undying.shm import remove_job_dir
+from undying.terminal import Terminal
 
 BACKUP_REFRESH_S = 1.0
 EXIT_BY_STATE = {JobState.SUCCEEDED.value: 0, JobState.FAILED.value: 1, JobState.CANCELLED.value: 130,
@@ -44,11 +47,12 @@ EXIT_BY_STATE = {JobState.SUCCEEDED.value: 0, JobState.FAILED.value: 1, JobState
 class ControllerCandidate(threading.Thread):
     """Campaigns for the job's leadership and, while leading, runs the controller."""
 
-    def __init__(self, options: LaunchOptions, token: str, initial: dict | None) -> None:
+    def __init__(self, options: LaunchOptions, token: str, initial: dict | None, terminal: Terminal) -> None:
         super().__init__(name="controller-candidate", daemon=True)
         assert options.etcd and options.job_name
         self.options = options
         self.token = token
+        self.terminal = terminal  # while this node leads, its console shows the job's progress line
         self.stop = threading.Event()
         self.exit_code: int | None = None  # set when this node's controller ended the job
         # The job this process was started for: a finished state of an earlier job with the same
@@ -84,6 +88,9 @@ class ControllerCandidate(threading.Thread):
         events = EventLog(options.run_dir)
         if not options.quiet:
             events.add_listener(print_event)
+            progress = Progress()
+            events.add_listener(progress.on_event)
+            self.terminal.progress = progress.line
         job_id = saved["job_id"] if saved else secrets.token_hex(6)
         controller = Controller(spec, events, job_id, self.store.port, options.injections_text,
                                 store_host=self.advertise, save_state=candidate.save_state,
@@ -109,6 +116,7 @@ class ControllerCandidate(threading.Thread):
         if exit_code is None:
             controller.emit(ev.CONTROLLER_DEPOSED, node=options.node_rank,
                             details={"why": candidate.lost_reason or "lost the etcd lease"})
+            self.terminal.progress = None  # another node leads: its console has the job's progress
             server.stop()
             events.close()
             return False  # campaign again: we may lead later
@@ -138,13 +146,11 @@ def wait_for_leader(endpoint: str, job: str, timeout: float) -> str | None:
     return None
 
 
-def run_ha_node(options: LaunchOptions) -> int:
+def run_ha_node(options: LaunchOptions, terminal: Terminal) -> int:
     """This node's part of a failover job; returns the job's exit code as saved in etcd."""
     if not options.token or options.node_rank is None or not options.etcd or not options.job_name:
         print("undying: error: --etcd needs --job-name, --node-rank and --token-file", file=sys.stderr)
         return 2
-    options.run_dir.mkdir(parents=True, exist_ok=True)
-    (options.run_dir / "logs").mkdir(exist_ok=True)
     os.environ[ENV_ETCD] = options.etcd  # the agent's workers inherit it: they follow the controller too
     os.environ[ENV_HA_JOB] = options.job_name
     try:
@@ -152,7 +158,7 @@ def run_ha_node(options: LaunchOptions) -> int:
     except EtcdUnavailable as error:
         print(f"undying: error: {error}", file=sys.stderr)
         return 2
-    candidate = ControllerCandidate(options, options.token, initial)
+    candidate = ControllerCandidate(options, options.token, initial, terminal)
     candidate.start()
     address = wait_for_leader(options.etcd, options.job_name, options.spec.node_return_timeout)
     if address is None:
@@ -161,7 +167,8 @@ def run_ha_node(options: LaunchOptions) -> int:
               f"{options.etcd} within node_return_timeout", file=sys.stderr)
         return 1
     agent = Agent(options.node_rank, options.spec, address, options.token, options.run_dir, options.command,
-                  options.injections_text, spare=options.standby_agents > 0)
+                  options.injections_text, spare=options.standby_agents > 0, log_dir=options.worker_log_dir,
+                  relay=OutputRelay(terminal, options.streams()))
     agent_code = agent.run()
     candidate.stop.set()
     candidate.join()

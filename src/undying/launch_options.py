@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from undying.config import JobSpec
+from undying.console_streams import ConsoleStreams
 
 
 @dataclass
@@ -31,3 +32,14 @@ class LaunchOptions:
     etcd: str | None = None  # host:port: controller failover (every node a candidate; ha_node.py)
     job_name: str | None = None  # the job's key prefix in etcd
     lease_ttl: int = 5  # seconds a dead leader keeps its lease (how long a failover waits)
+    log_dir: Path | None = None  # the workers' logs (--log-dir); None: RUN_DIR/logs
+    # Which streams of each local rank the console shows (--redirects, --tee, --local-ranks-filter);
+    # None: every stream of every rank.
+    console_streams: ConsoleStreams | None = None
+
+    @property
+    def worker_log_dir(self) -> Path:
+        return self.log_dir or self.run_dir / "logs"
+
+    def streams(self) -> ConsoleStreams:
+        return self.console_streams or ConsoleStreams.everything(self.spec.nproc_per_node)

@@ -8,6 +8,11 @@ that take a lost node's place at once; with spares, a dead node's agent comes ba
 as a new spare rather than as itself. With ``--node-rank R`` it is one node of a
 real multi-node job: node 0 hosts the controller and its own agent, the others run
 an agent that joins ``--controller HOST:PORT`` (``--standby`` there: a spare node).
+
+The console (``terminal.py``) shows the job's events, a live progress line where the controller
+runs (``progress.py``), and the output of this machine's workers: each agent relays its workers'
+log lines (``output_relay.py``), an agent process of its own through a pipe this process reads,
+the agent of ``--node-rank R > 0`` (in this process) directly.
 """
 
 from __future__ import annotations
@@ -23,13 +28,17 @@ import time
 from undying import events as ev
 from undying.client import format_address
 from undying.console import emit_job_start, print_event
+from undying.console_streams import STDERR, STDOUT
 from undying.controller import Controller, ControllerServer, JobState, JobStore
 from undying.controller_files import ControllerRecord, remove_controller_files, write_controller_files
 from undying.events import EventLog
 from undying.launch_options import LaunchOptions
+from undying.output_relay import OutputRelay
 from undying.procs import die_with_parent, kill_group
+from undying.progress import Progress
 from undying.root_probe import t2_root, writes_t2
 from undying.shm import remove_job_dir, remove_node_dir
+from undying.terminal import Terminal, is_live_terminal
 from undying.worker_env import ENV_INJECT, ENV_SPEC, ENV_TOKEN
 
 RESPAWN_DELAY = 0.2
@@ -38,11 +47,13 @@ RESPAWN_DELAY = 0.2
 class LocalAgents:
     """The agent processes this launcher started, and their respawning when one dies."""
 
-    def __init__(self, options: LaunchOptions, controller_address: str, token: str) -> None:
+    def __init__(self, options: LaunchOptions, controller_address: str, token: str, terminal: Terminal) -> None:
         self.options = options
         self.controller_address = controller_address
         self.token = token
+        self.terminal = terminal
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self.console_readers: list[threading.Thread] = []
         self.controller: Controller | None = None
         self.job_id = ""  # set by launch(): names the job's node shared-memory directories
         self._lock = threading.Lock()
@@ -68,15 +79,29 @@ class LocalAgents:
         env[ENV_SPEC] = self.options.spec.model_dump_json()
         env[ENV_INJECT] = self.options.injections_text
         env["UNDYING_AGENT_DIE_WITH_PARENT"] = "1"
+        console_read, console_write = os.pipe()  # the agent's workers' lines, for this console
         command = [sys.executable, "-m", "undying.agent", "--node", str(node),
                    "--controller", self.controller_address, "--run-dir", str(self.options.run_dir),
+                   "--log-dir", str(self.options.worker_log_dir), "--console-fd", str(console_write),
+                   "--console-streams", self.options.streams().to_text(),
                    *(["--standby"] if spare else []), "--", *self.options.command]
-        log = open(self.options.run_dir / "logs" / f"agent{node}.log", "ab")  # noqa: SIM115 - child's
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, preexec_fn=die_with_parent)
-        log.close()
+        log = open(self.options.worker_log_dir / f"agent{node}.log", "ab")  # noqa: SIM115 - child's
+        try:
+            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       pass_fds=(console_write,), start_new_session=True,
+                                       preexec_fn=die_with_parent)
+        except BaseException:
+            os.close(console_read)
+            raise
+        finally:
+            log.close()
+            os.close(console_write)
+        reader = threading.Thread(target=show_agent_lines, args=(console_read, self.terminal),
+                                  name=f"console{node}", daemon=True)
+        reader.start()
         with self._lock:
             self.processes[node] = process
+            self.console_readers.append(reader)
         return process
 
     def _keep_alive(self, node: int, spare: bool) -> None:
@@ -128,24 +153,51 @@ class LocalAgents:
                 pass
             kill_group(process.pid)
             process.wait()
+        with self._lock:
+            readers = list(self.console_readers)
+        for reader in readers:  # the agents' last lines: each pipe ends when its agent has exited
+            reader.join(timeout=max(0.0, deadline + 2.0 - time.monotonic()))
+
+
+def show_agent_lines(pipe_fd: int, terminal: Terminal) -> None:
+    """Put the lines an agent relays (``STREAM TEXT``, output_relay.PipeSink) on the console, until
+    the agent closes its end."""
+    with open(pipe_fd, "rb") as pipe:
+        for raw in pipe:
+            stream = STDERR if raw.startswith(b"2") else STDOUT
+            terminal.lines([(stream, raw[2:].rstrip(b"\n").decode("utf-8", errors="replace"))])
+
+
+def console_for(options: LaunchOptions) -> Terminal:
+    """This process's console for the job: live (a progress line) on a terminal, unless --quiet."""
+    return Terminal(live=not options.quiet and is_live_terminal(sys.stderr))
 
 
 def launch(options: LaunchOptions) -> int:
     """Run a whole job (or this node's part of it); returns the exit code for the CLI."""
-    if options.etcd:
-        from undying.ha_node import run_ha_node
-
-        return run_ha_node(options)
-    if options.node_rank is not None and options.node_rank > 0:
-        return _run_remote_agent(options)
     options.run_dir.mkdir(parents=True, exist_ok=True)
-    (options.run_dir / "logs").mkdir(exist_ok=True)
+    options.worker_log_dir.mkdir(parents=True, exist_ok=True)
+    with console_for(options) as terminal:
+        if options.etcd:
+            from undying.ha_node import run_ha_node
+
+            return run_ha_node(options, terminal)
+        if options.node_rank is not None and options.node_rank > 0:
+            return _run_remote_agent(options, terminal)
+        return _run_controller_node(options, terminal)
+
+
+def _run_controller_node(options: LaunchOptions, terminal: Terminal) -> int:
+    """The controller here, with every simulated node's agent, or node 0's of a real job."""
     token = options.token or secrets.token_hex(16)
     job_id = secrets.token_hex(6)
     spec = options.spec
     events = EventLog(options.run_dir)
     if not options.quiet:
         events.add_listener(print_event)
+        progress = Progress()
+        events.add_listener(progress.on_event)
+        terminal.progress = progress.line
     bind_port = 0
     advertised_host = None  # the name other nodes reach this one by (--controller HOST:PORT)
     if options.controller_address:
@@ -164,7 +216,7 @@ def launch(options: LaunchOptions) -> int:
                             t2_root=t2_root(spec, options.run_dir) if writes_t2(spec) else None)
     server = ControllerServer(controller, token, options.controller_bind, bind_port)
     server.start()
-    agents = LocalAgents(options, format_address(connect_host, server.port), token)
+    agents = LocalAgents(options, format_address(connect_host, server.port), token, terminal)
     agents.controller = controller
     agents.job_id = job_id
     agents_holder.append(agents)
@@ -204,14 +256,14 @@ def launch(options: LaunchOptions) -> int:
     return exit_code
 
 
-def _run_remote_agent(options: LaunchOptions) -> int:
+def _run_remote_agent(options: LaunchOptions, terminal: Terminal) -> int:
     from undying.agent import Agent
 
     if not options.controller_address or not options.token:
         print("undying: error: --node-rank > 0 needs --controller HOST:PORT and --token-file", file=sys.stderr)
         return 2
-    options.run_dir.mkdir(parents=True, exist_ok=True)
     assert options.node_rank is not None
     agent = Agent(options.node_rank, options.spec, options.controller_address, options.token,
-                  options.run_dir, options.command, options.injections_text, spare=options.standby_agents > 0)
+                  options.run_dir, options.command, options.injections_text, spare=options.standby_agents > 0,
+                  log_dir=options.worker_log_dir, relay=OutputRelay(terminal, options.streams()))
     return agent.run()

@@ -12,7 +12,8 @@ from enum import StrEnum
 from typing import Any, ClassVar, TypeVar
 
 # 2: a plan's and an order's rank lists travel as runs (``encode_runs``), not rank by rank.
-PROTOCOL_VERSION = 2
+# 3: a heartbeat carries ``max_steps`` (the console's step of total) and ``scalars`` (ft.log) instead of ``loss``.
+PROTOCOL_VERSION = 3
 
 # HTTP routes served by the controller. Every route needs the job token.
 ROUTE_AGENT_HELLO = "/v1/agent/hello"
@@ -272,6 +273,7 @@ class Heartbeat(Message):
     # The newest value of each scalar the worker logged (``ft.log(loss=..., lr=...)``): name -> value.
     scalars: dict[str, float] = field(default_factory=dict)
     mesh_shard: int = 0  # a sharded job's ranks per replica (ft.device_mesh's shard); 0: not sharded
+    max_steps: int = 0  # ft.steps(n)'s n, the steps the job runs to; 0: not known yet
 
 
 @dataclass

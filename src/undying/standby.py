@@ -10,7 +10,8 @@ in the forked process, as ``python script.py`` would: its environment, ``sys.arg
 ``__main__``, its log as stdout and stderr, and the interpreter's own exit (atexit hooks,
 non-daemon threads) at the end.
 
-Protocol, one JSON object per line. From the agent on stdin: ``{"id", "env", "command", "log"}``.
+Protocol, one JSON object per line. From the agent on stdin: ``{"id", "env", "command", "log",
+"err_log"}`` (``err_log``: stderr's own file, or null: stderr to ``log`` too).
 To the agent on stdout: ``"ready"`` once imported; ``{"id", "pid"}`` for each fork;
 ``{"exit": pid, "code": c}`` when a forked worker ends (``c`` as ``Popen.returncode`` reads:
 negative for a signal); ``{"unsafe": why}`` and exit when forking would not be safe (a GPU
@@ -171,13 +172,14 @@ def _become_child(wake_read: int, wake_write: int) -> None:
 
 def become(assignment: dict) -> None:
     """Run ``assignment["command"]`` (``python [-u] script ...`` or ``python [-u] -m module ...``) in
-    this process, with its environment and its log as stdout and stderr."""
+    this process, with its environment and its log as stdout and stderr (its ``err_log`` as stderr
+    when given)."""
     os.environ.clear()
     os.environ.update(assignment["env"])
-    log_fd = os.open(assignment["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
+    for fd, log in ((1, assignment["log"]), (2, assignment.get("err_log") or assignment["log"])):
+        log_fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(log_fd, fd)
+        os.close(log_fd)
     sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
     sys.stderr.reconfigure(write_through=True)  # type: ignore[union-attr]
     arguments = list(assignment["command"][1:])  # drop the interpreter

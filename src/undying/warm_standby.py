@@ -72,15 +72,18 @@ class WarmStandby:
     def usable(self) -> bool:
         return not self.gone.is_set()
 
-    def fork(self, env: dict[str, str], command: list[str], log: Path) -> ForkedWorker | None:
-        """A worker running ``command`` with ``env`` and ``log``, forked from the standby; None if the
-        standby is gone or did not answer (then the caller starts the worker itself)."""
+    def fork(self, env: dict[str, str], command: list[str], log: Path,
+             err_log: Path | None = None) -> ForkedWorker | None:
+        """A worker running ``command`` with ``env``, ``log`` its stdout and stderr (``err_log`` its
+        stderr when given), forked from the standby; None if the standby is gone or did not answer
+        (then the caller starts the worker itself)."""
         with self._lock:
             if not self._wait_ready():
                 return None
             self._next_id += 1
             request_id = self._next_id
-            request = {"id": request_id, "env": env, "command": command, "log": str(log)}
+            request = {"id": request_id, "env": env, "command": command, "log": str(log),
+                       "err_log": str(err_log) if err_log is not None else None}
             assert self.process.stdin is not None
             try:
                 self.process.stdin.write((json.dumps(request) + "\n").encode())

@@ -120,9 +120,11 @@ def test_running_job_refuses_clients_without_token(tmp_path: Path) -> None:
         assert len(refused) >= 13
         assert not any(e.kind == ev.AGENT_REGISTERED and e.details.get("host") == "intruder"
                        for e in read_events(run_dir))
+        # A stop asked through the API: the newest committed step persisted, then exit 75 (resumable).
         assert _request(address, "POST", "/v1/job/stop", token, {"reason": "test"}) == 200
         output, _ = process.communicate(timeout=60)
-        assert process.returncode == 130, output
+        assert process.returncode == 75, output
+        assert "job stopped: stopped (test) with step" in output
     finally:
         if process.poll() is None:
             process.kill()
@@ -162,7 +164,8 @@ def test_a_node_started_with_another_spec_is_refused_and_the_same_spec_joins(tmp
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     common = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--controller", f"127.0.0.1:{port}",
-              "--token-file", str(token_file), "--monitor-interval", "0.3", "--set", "warm_standby=false"]
+              "--token-file", str(token_file), "--monitor-interval", "0.3", "--set", "warm_standby=false",
+              "--checkpoint-dir", str(tmp_path / "shared-checkpoints")]  # a run directory per node, as on hosts
     mark = uuid.uuid4().hex
     env = dict(os.environ, **{MARK_ENV: mark, "PYTHONUNBUFFERED": "1"})
 

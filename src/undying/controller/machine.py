@@ -255,6 +255,8 @@ class JobMachine:
             record.logged_step = beat.step
             # The scalars sit beside the phase (``events.heartbeat_scalars`` reads them back).
             details: dict[str, Any] = {**beat.scalars, "phase": beat.phase}
+            if beat.max_steps:
+                details["max_steps"] = beat.max_steps
             self.emit(ev.HEARTBEAT, node=beat.node, rank=beat.rank, step=beat.step,
                       generation=beat.generation, details=details)
         return reply

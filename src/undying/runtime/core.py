@@ -268,6 +268,7 @@ class Runtime:
         (``register``): build them before the loop.
         """
         self._register_loop_state()
+        self.reporter.max_steps = max_steps
         if self.joining:
             self._recover("joining as a replacement rank")
         else:

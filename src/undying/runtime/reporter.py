@@ -52,6 +52,7 @@ class Reporter:
         self.phase: str = Phase.STARTING
         self.scalars: dict[str, float] = {}  # the newest value of each name the script logged (ft.log)
         self.mesh_shard = 0  # set by ft.device_mesh: the controller shrinks a sharded job by whole replicas
+        self.max_steps = 0  # set by ft.steps(n): the console shows the step of n
         self.abort_generation = 0  # the newest generation the controller told us to abandon
         self.end_generation = 0  # the newest generation the controller ends at a step boundary
         self.mirror_store = ""  # failover jobs: a second store for the RNG mirror (from heartbeat replies)
@@ -115,7 +116,7 @@ class Reporter:
     def _beat(self, client: ControllerClient) -> None:
         """One heartbeat; its reply says which generations the controller aborted or ends."""
         beat = Heartbeat(self.rank, self.node, self.generation, self.step, self.phase, os.getpid(), self.scalars,
-                         self.mesh_shard)
+                         self.mesh_shard, self.max_steps)
         sent_at = time.monotonic()
         try:
             reply = HeartbeatReply.from_dict(client.post(ROUTE_WORKER_HEARTBEAT, beat.to_dict()))
