@@ -95,8 +95,6 @@ def summarize(events: list[Event]) -> RunSummary:
     job_end = last_event(events, JOB_END)
     end_details = job_end.details if job_end else {}
 
-    generation_starts = [e for e in events if e.kind == GENERATION_START]
-    restart_counts = [int(e.details.get("restart_count") or 0) for e in generation_starts]
     # Job-level restarts: as the controller counted them at the end, else (a log cut short) as logged.
     restarts = int(end_details["job_restarts"]) if "job_restarts" in end_details else \
         sum(1 for e in events if e.kind == RESTART_BEGIN)
@@ -128,7 +126,9 @@ def summarize(events: list[Event]) -> RunSummary:
         takeovers=[takeover_label(e) for e in events if is_takeover(e)],
         numerics_changes=[numerics_change_label(e) for e in events if e.kind == NUMERICS_CHANGED],
         crash_loop=crash_loop.details if crash_loop else None,
-        recoveries_total=int(end_details.get("recoveries", max(restart_counts, default=0))),
+        # A log cut short (or written before job_end counted them): every decision to recover.
+        recoveries_total=int(end_details["recoveries"]) if "recoveries" in end_details else
+        sum(1 for e in events if e.kind == DECISION and e.details.get("strategy") != "exit"),
     )
 
 
