@@ -99,6 +99,55 @@ def test_no_sync_accumulates_and_the_last_backward_averages() -> None:
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
 
 
+def test_require_backward_grad_sync_set_directly_accumulates_as_under_ddp() -> None:
+    """nanoGPT's accumulation: ``model.require_backward_grad_sync = (micro == last)`` before each
+    micro-batch's forward; only the last backward averages, and the result is no_sync's."""
+    models = [deep_model() for _ in range(RANKS)]
+
+    def body(rank: int, group: GenerationGroup) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ddp = FixedLayoutDDP(models[rank], lambda: group, torch.device("cpu"), broadcast=False)
+        ddp.begin_step()
+        grads = []
+        for micro in range(3):
+            ddp.require_backward_grad_sync = micro == 2
+            ddp(rank_batch(rank, micro)).square().mean().backward()
+            grads.append([p.grad.clone() for p in models[rank].parameters()])
+        return grads[1], grads[2]
+
+    results = on_ranks(body)
+    expected = expected_mean(lambda rank: [rank_batch(rank, micro) for micro in range(3)])
+    for rank in range(RANKS):
+        before_last, final = results[rank]
+        local = local_gradients(deep_model(), [rank_batch(rank, 0), rank_batch(rank, 1)])
+        assert all(torch.equal(g, e) for g, e in zip(before_last, local, strict=True)), "averaged too early"
+        assert all(torch.allclose(g, e, rtol=1e-6, atol=1e-7) for g, e in zip(final, expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+
+
+def test_no_sync_toggles_require_backward_grad_sync_and_the_forward_decides() -> None:
+    """As DDP's: ``no_sync()`` sets the attribute to False and puts it back; a forward run inside
+    ``no_sync()`` and its backward outside do not average (DDP arms its reducer in the forward)."""
+    models = [deep_model() for _ in range(RANKS)]
+
+    def body(rank: int, group: GenerationGroup) -> tuple[list[bool], list[torch.Tensor]]:
+        ddp = FixedLayoutDDP(models[rank], lambda: group, torch.device("cpu"), broadcast=False)
+        seen = [ddp.require_backward_grad_sync]
+        ddp.begin_step()
+        with ddp.no_sync():
+            seen.append(ddp.require_backward_grad_sync)
+            loss = ddp(rank_batch(rank, 0)).square().mean()
+        seen.append(ddp.require_backward_grad_sync)
+        loss.backward()  # outside no_sync, but its forward was inside: local
+        return seen, [p.grad.clone() for p in models[rank].parameters()]
+
+    results = on_ranks(body)
+    for rank in range(RANKS):
+        seen, grads = results[rank]
+        assert seen == [True, False, True]
+        local = local_gradients(deep_model(), [rank_batch(rank, 0)])
+        assert all(torch.equal(g, e) for g, e in zip(grads, local, strict=True))
+
+
 def test_a_backward_before_the_last_micro_batch_does_not_average() -> None:
     """``ready_to_sync`` false (the step's loader has micro-batches left): gradients stay local until
     ``sync_gradients``, which averages them the same way."""

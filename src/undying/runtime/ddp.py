@@ -110,9 +110,10 @@ class _Bucket:
 class FixedLayoutDDP(torch.nn.Module):
     """Wraps a model so gradients are averaged over the current data-parallel world.
 
-    Guarantees: within a step (``begin_step``), the backward pass that is not under ``no_sync()``
-    and comes after the step's last micro-batch was taken (``ready_to_sync``) averages the
-    gradients: when it returns, every rank holds the same averaged gradients, summed in an order
+    Guarantees: within a step (``begin_step``), a backward pass averages the gradients when, as
+    under DDP, a forward through this wrapper ran since the last backward with grad enabled and
+    ``require_backward_grad_sync`` True (``no_sync()`` sets it False), and the step's last
+    micro-batch was taken (``ready_to_sync``): when it returns, every rank holds the same averaged gradients, summed in an order
     that depends only on the parameter list and the world size (bitwise-reproducible replays).
     Backward passes before it accumulate locally. ``sync_gradients()`` completes the average of a
     step whose backward did not (no backward, a failed rank voting no): every rank issues the same
@@ -154,7 +155,12 @@ class FixedLayoutDDP(torch.nn.Module):
         self._bucket_of = {id(p): index for index, bucket in enumerate(self._buckets) for p in bucket.params}
         self._gradient_weight = 1  # slots covered by one backward of this replica (elastic ``grow``)
         self._slots_per_step: int | None = None  # None: divide by the process group's size
-        self._sync_enabled = True  # False inside no_sync()
+        # DDP's own attributes, read and written as under DDP: a forward run with grad enabled while
+        # ``require_backward_grad_sync`` is True arms the next backward pass to average (``no_sync()``
+        # only toggles it); ``require_forward_param_sync`` says whether the last forward was such a one.
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._armed = False  # a forward since the last backward asked that backward to average
         self._in_step = False
         self._reset_step()
         for param in params:
@@ -163,7 +169,15 @@ class FixedLayoutDDP(torch.nn.Module):
             self.sync_parameters()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(*args, **kwargs)  # type: ignore[operator]  # set with object.__setattr__
+        output = self._call(*args, **kwargs)  # type: ignore[operator]  # set with object.__setattr__
+        # As DDP decides in its forward: whether this forward's backward averages is settled here,
+        # so a forward inside ``no_sync()`` and its backward outside accumulates, as under DDP.
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self._armed = True
+            self.require_forward_param_sync = True
+        else:
+            self.require_forward_param_sync = False
+        return output
 
     @torch.no_grad()
     def sync_parameters(self, root: int = 0) -> None:
@@ -188,19 +202,21 @@ class FixedLayoutDDP(torch.nn.Module):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally, without averaging them (as DDP's)."""
-        before = self._sync_enabled
-        self._sync_enabled = False
+        """Forward and backward passes inside accumulate gradients locally, without averaging them:
+        as DDP's, it sets ``require_backward_grad_sync`` to False and puts it back."""
+        before = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._sync_enabled = before
+            self.require_backward_grad_sync = before
 
     # ------------------------------------------------------------- one step's average
 
     def begin_step(self) -> None:
         """A new step: its gradients have not been averaged yet."""
         self._in_step = True
+        self._armed = False
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -218,7 +234,8 @@ class FixedLayoutDDP(torch.nn.Module):
             return
         if not self._backward_running:
             self._backward_running = True
-            self._backward_averages = self._sync_enabled and self._ready_to_sync()
+            self._backward_averages = self._armed and self._ready_to_sync()
+            self._armed = False
             if self._backward_averages and self._averaged:
                 raise RuntimeError("undying: a second backward pass averaged the gradients of this step; "
                                    "wrap the earlier backward passes of the step in `with model.no_sync():` "
