@@ -6,9 +6,9 @@ batch; DDP then broadcasts rank 0's at the start of the next forward, so rank 0'
 go on. Here the broadcast happens where a step can still be refused, before its commit vote (and
 before each further averaging round of the step), so at every commit boundary every rank holds rank
 0's buffers, the state a replacement receives and a checkpoint keeps, whichever rank was lost. A
-failed step's forwards changed them too: ``roll_back`` puts back the boundary's values. The copy
-taken at each boundary is of the buffers changed since the one before (their version counters
-say which), so a model's constant buffers (a causal mask) are copied once.
+failed step's forwards changed them too: ``roll_back`` puts back the boundary's values, copied at
+each boundary (a copy of the buffers per step: BatchNorm's statistics are small; a large constant
+buffer, a causal mask, costs its copy bandwidth).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class BufferSync:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self._module = module
-        self._boundary: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (copy, version it copies)
+        self._boundary: dict[str, torch.Tensor] = {}  # name -> its value at the last commit boundary
 
     def named(self) -> dict[str, torch.Tensor]:
         return dict(self._module.named_buffers())
@@ -36,25 +36,30 @@ class BufferSync:
 
     @torch.no_grad()
     def mark_commit_boundary(self) -> None:
-        """Copy the buffers changed since the last boundary (all of them the first time)."""
-        for name, buffer in self.named().items():
+        """Copy every buffer (into the copy kept from the boundary before, where it still fits): a
+        buffer's version counter cannot tell, BatchNorm's kernels update the running statistics
+        without bumping it."""
+        named = self.named()
+        for name, buffer in named.items():
             kept = self._boundary.get(name)
-            if kept is None or kept[1] != buffer._version or kept[0].shape != buffer.shape:
-                self._boundary[name] = (buffer.detach().clone(), buffer._version)
+            if kept is None or kept.shape != buffer.shape or kept.dtype != buffer.dtype:
+                self._boundary[name] = buffer.detach().clone()
+            else:
+                kept.copy_(buffer)
+        for name in set(self._boundary) - set(named):
+            del self._boundary[name]
 
     @torch.no_grad()
     def roll_back(self) -> None:
-        """Put back every buffer a failed step changed, as it was at the last boundary."""
+        """Put back every buffer as it was at the last boundary (a failed step's forwards changed them)."""
         for name, buffer in self.named().items():
             kept = self._boundary.get(name)
-            if kept is not None and kept[1] != buffer._version and kept[0].shape == buffer.shape:
-                buffer.copy_(kept[0])
-                self._boundary[name] = (kept[0], buffer._version)
+            if kept is not None and kept.shape == buffer.shape:
+                buffer.copy_(kept)
 
 
 def broadcast_tensors(group: GenerationGroup, tensors: list[torch.Tensor], root: int) -> None:
-    """``tensors`` made ``root``'s on every rank of ``group``: one broadcast per dtype, in order. A
-    tensor already equal to root's is not written, so its version counter says it did not change."""
+    """``tensors`` made ``root``'s on every rank of ``group``: one broadcast per dtype, in order."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
@@ -62,5 +67,4 @@ def broadcast_tensors(group: GenerationGroup, tensors: list[torch.Tensor], root:
         flat = torch.cat([tensor.reshape(-1) for tensor in same_dtype])
         group.broadcast(flat, root)
         for tensor, view in zip(same_dtype, flat_views(same_dtype, flat), strict=True):
-            if not torch.equal(tensor, view):
-                tensor.copy_(view)
+            tensor.copy_(view)
