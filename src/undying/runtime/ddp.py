@@ -341,8 +341,8 @@ class FixedLayoutDDP(torch.nn.Module):
             except CollectiveError as error:
                 self._failure = error.retold()
         del pending, work
-        if self._failure is None and self.bucket_order.ready_order is None:
-            self._record_order(group)
+        if self._failure is None and self.bucket_order.ready_order is None and self._in_step:
+            self._record_order(group)  # outside a step (tools, tests) no backward order was watched
         self._set_phase(Phase.COMPUTING)
         self._round_open = False
         if self._failure is None:
