@@ -22,5 +22,5 @@ def param_sha256(module: torch.nn.Module) -> str:
         data = tensor.detach().to("cpu").contiguous()
         digest.update(str(data.dtype).encode())
         digest.update(str(tuple(data.shape)).encode())
-        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")  # 0-dim: num_batches_tracked
     return digest.hexdigest()

@@ -87,7 +87,8 @@ def test_mixed_model_has_one_bucket_per_dtype() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16), torch.nn.Linear(4, 3))
     model[0].register_forward_hook(lambda _module, _inputs, output: output.float())
     averaged(model, group)
-    assert [t.dtype for t in group.reduced] == [torch.bfloat16, torch.float32]
+    # DDP's first layout: buckets by dtype sorted by their first parameter, the list reversed.
+    assert [t.dtype for t in group.reduced] == [torch.float32, torch.bfloat16]
 
 
 class FakeCuda:
