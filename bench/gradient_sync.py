@@ -34,6 +34,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
     from model import GPT, GPTConfig
 
     from undying.runtime.ddp import FixedLayoutDDP, commit_vote
+    from undying.runtime.ddp_options import DDPOptions
     from undying.runtime.pg import GenerationGroup
 
     torch.set_num_threads(1)
@@ -44,14 +45,15 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
     config = GPTConfig(vocab_size=65, block_size=args.block_size, n_layer=args.n_layer, n_head=4,
                        n_embd=args.n_embd)
     cap = int(args.bucket_mb * 1024 * 1024)
+    options = DDPOptions(first_bucket_bytes=cap, bucket_bytes=cap)
 
     def gpt() -> torch.nn.Module:
         torch.manual_seed(0)
         return GPT(config)
 
     models = {
-        "undying_in_backward": FixedLayoutDDP(gpt(), lambda: group, torch.device("cpu"), bucket_cap_bytes=cap),
-        "undying_at_step": FixedLayoutDDP(gpt(), lambda: group, torch.device("cpu"), bucket_cap_bytes=cap,
+        "undying_in_backward": FixedLayoutDDP(gpt(), lambda: group, torch.device("cpu"), options=options),
+        "undying_at_step": FixedLayoutDDP(gpt(), lambda: group, torch.device("cpu"), options=options,
                                           ready_to_sync=lambda: False),
         "ddp": DistributedDataParallel(gpt(), bucket_cap_mb=args.bucket_mb),
     }

@@ -32,6 +32,7 @@ from undying.inject import decode
 from undying.protocol import Phase
 from undying.runtime.carried_batches import DrawLedger
 from undying.runtime.ddp import FixedLayoutDDP
+from undying.runtime.ddp_options import parse_ddp_options
 from undying.runtime.devices import choose_backend, choose_device, set_numerics_mode
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.loaders import build_loader
@@ -162,20 +163,30 @@ class Runtime:
             self.recovery.join_early()
         return mesh.device_mesh
 
-    def wrap_model(self, model: torch.nn.Module) -> FixedLayoutDDP | ShardedModel:
+    def wrap_model(self, model: torch.nn.Module, **ddp_kwargs: Any) -> FixedLayoutDDP | ShardedModel:
+        """The model in the step transaction. A plain model gets DDP's semantics (runtime/ddp.py) and
+        takes DDP's constructor arguments (``broadcast_buffers``, ``find_unused_parameters``,
+        ``bucket_cap_mb``, ...; runtime/ddp_options.py says which, and refuses the others in one line)."""
         wrapped_already = [wrapped.module for wrapped in self.state.models]
         if any(model is module or getattr(model, "_orig_mod", None) is module for module in wrapped_already):
             raise ValueError(f"ft.wrap_model: this {type(model).__name__} is already wrapped; wrap each model once")
         if self.state.sharded or is_sharded(model):
+            if ddp_kwargs:
+                raise ValueError(f"ft.wrap_model: {', '.join(ddp_kwargs)}: DDP's arguments are for a data-parallel "
+                                 f"model; a fully_shard-ed one takes none")
             sharded = wrap_sharded(model, self.membership.mesh, self.joining)
             self.state.models.append(sharded)
             self._watch_forwards(sharded)
             return sharded
+        options = parse_ddp_options(ddp_kwargs, self.device)
         # A replacement rank gets its parameters in the repair step, not by a broadcast
         # the live ranks would not take part in.
         wrapped = FixedLayoutDDP(model.to(self.device), self.membership.current_group, self.device,
                                  broadcast=not self.joining, ready_to_sync=self.transaction.batches_taken,
-                                 set_phase=self.transaction.set_phase)
+                                 set_phase=self.transaction.set_phase, options=options,
+                                 before_extra_round=self.transaction.agree_to_continue)
+        # Which bucket layout the job is at is job state: handed to a replacement, checkpointed, rolled back.
+        self.state.register(f"ddp.{len(self.state.models)}.bucket_order", wrapped.bucket_order)
         self.state.models.append(wrapped)
         self.state.apply_members(self.membership, self.spec.elastic_batch)
         self._watch_forwards(wrapped)

@@ -1,53 +1,36 @@
-"""Gradient averaging with DDP's semantics in a fixed layout whose float sums replay bit for bit.
+"""Gradient averaging with DDP's semantics and DDP's arithmetic, in layouts whose float sums replay bit for bit.
 
 Runs in the worker. As under DDP, gradients are averaged while ``backward()`` runs: each bucket's
 all-reduce starts as soon as the gradients of its parameters are accumulated (overlapped with the
 rest of the backward pass) and ``backward()`` returns with every rank holding the same averaged
-gradients, so clipping, a GradScaler's inf check and norm logging see them. ``model.no_sync()``
-skips the average for accumulation micro-batches. Stock DDP rebuilds its buckets after the first
-iteration, so the first step after a restart would sum in another layout; here the layout depends
-only on the parameter list (docs/design.md, "Why the gradient sync is not DDP"). The commit vote
-is its own one-element float32 all-reduce at ``opt.step()``, the last point where a rank can fail.
+gradients, so clipping, a GradScaler's inf check and norm logging see them. A forward run while
+``require_backward_grad_sync`` is True arms its backward to average (``no_sync()`` toggles it);
+several averaged backward passes in one step each average into ``.grad``. The buckets are DDP's
+(runtime/ddp_layout.py): its first layout for the job's first average, then the one rebuilt from
+the recorded gradient order, kept as job state so a replay sums in the layout of the step it
+replaces (docs/design.md, "Why the gradient sync is not DDP"). Buffers: runtime/ddp_buffers.py.
+The commit vote is its own all-reduce at ``opt.step()``, the last point where a rank can fail.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
 from undying.protocol import Phase
-from undying.runtime.pg import CollectiveError, GenerationGroup, flat_views
+from undying.runtime.ddp_buckets import Bucket, CommHook, stock_hook
+from undying.runtime.ddp_buffers import BufferSync, broadcast_tensors
+from undying.runtime.ddp_layout import BucketOrder, complete_order, initial_layout, rebuilt_layout
+from undying.runtime.ddp_options import DDPOptions, check_sync_batchnorm
+from undying.runtime.pg import CollectiveError, GenerationGroup
 
-# A bucket is cut once it holds this many bytes (DDP's default cap): large enough that each
-# all-reduce is bandwidth-bound, small enough that the first one starts early in the backward pass.
-BUCKET_CAP_BYTES = 25 * 1024 * 1024
 VOTE_DTYPE = torch.float32  # counts ranks exactly up to 2**24 (a bf16 sum of ones stops at 256)
-
-
-def bucket_layout(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:
-    """The fixed buckets: one dtype each (in order of first appearance), parameters in reverse
-    registration order (the order backward produces them), cut when a bucket reaches ``cap_bytes``
-    (a larger parameter is a bucket of its own). Depends only on the parameter list."""
-    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-    for param in params:
-        by_dtype.setdefault(param.dtype, []).append(param)
-    buckets: list[list[torch.nn.Parameter]] = []
-    for same_dtype in by_dtype.values():
-        current: list[torch.nn.Parameter] = []
-        size = 0
-        for param in reversed(same_dtype):
-            nbytes = param.numel() * param.element_size()
-            if current and size + nbytes > cap_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(param)
-            size += nbytes
-        buckets.append(current)
-    return buckets
 
 
 def commit_vote(group: GenerationGroup, ok: bool, device: torch.device) -> bool:
@@ -67,62 +50,25 @@ def commit_vote_with_sums(group: GenerationGroup, ok: bool, reports: tuple[float
     return int(total[0]) == group.world_size, total[1:]
 
 
-class _Bucket:
-    """One flat buffer holding the gradients of a fixed run of parameters of one dtype."""
-
-    def __init__(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
-        self.params = params
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
-        self.views = flat_views(params, self.flat)
-        self.generation: int | None = None  # the generation whose collectives this buffer was given to
-
-    def use_in(self, generation: int) -> None:
-        """A fresh buffer for each generation: a collective of an abandoned generation may still
-        write into the buffer it was handed (a peer that froze mid all-reduce wakes up and sends
-        its part), and it must not land in the gradients of a later step."""
-        if self.generation is not None and self.generation != generation:
-            self.flat = torch.zeros_like(self.flat)
-            self.views = flat_views(self.params, self.flat)
-        self.generation = generation
-
-    @torch.no_grad()
-    def gather(self, weight: int) -> None:
-        """This rank's gradients into the buffer (zeros for a parameter without one), times ``weight``."""
-        for param, view in zip(self.params, self.views, strict=True):
-            if param.grad is None:
-                view.zero_()
-            else:
-                view.copy_(param.grad)
-        if weight != 1:
-            self.flat.mul_(weight)
-
-    @torch.no_grad()
-    def scatter(self, divisor: int) -> None:
-        """The summed buffer divided by ``divisor`` back into the parameters' gradients."""
-        self.flat.div_(divisor)
-        for param, view in zip(self.params, self.views, strict=True):
-            if param.grad is None:
-                param.grad = view.clone()
-            else:
-                param.grad.copy_(view)
-
-
 class FixedLayoutDDP(torch.nn.Module):
-    """Wraps a model so gradients are averaged over the current data-parallel world.
+    """Wraps a model so gradients are averaged over the current data-parallel world, as DDP does.
 
-    Guarantees: within a step (``begin_step``), the backward pass that is not under ``no_sync()``
-    and comes after the step's last micro-batch was taken (``ready_to_sync``) averages the
-    gradients: when it returns, every rank holds the same averaged gradients, summed in an order
-    that depends only on the parameter list and the world size (bitwise-reproducible replays).
-    Backward passes before it accumulate locally. ``sync_gradients()`` completes the average of a
-    step whose backward did not (no backward, a failed rank voting no): every rank issues the same
-    collectives in the same order either way. A second averaged backward in one step raises: wrap
-    the earlier ones in ``no_sync()``, as with DDP. Parameters and buffers start equal on every
-    rank (broadcast from rank 0 at wrap time). A parameter without a gradient contributes zeros.
+    Guarantees: within a step (``begin_step``), a backward pass averages the gradients when, as
+    under DDP, a forward through this wrapper ran since the last backward with grad enabled and
+    ``require_backward_grad_sync`` True (``no_sync()`` sets it False), and the step's last
+    micro-batch was taken (``ready_to_sync``): when it returns, every rank holds the same averaged
+    gradients. Each further averaged backward of the step averages what ``.grad`` holds then
+    (DDP's: the earlier averages plus the new local gradients); before it, ``before_extra_round``
+    lets every rank learn whether a peer has given the step up. Every round sums in DDP's bucket
+    layout of that point in the job's history (``BucketOrder``), with DDP's arithmetic or one of
+    torch's stock comm hooks. ``sync_gradients()`` completes the average of a step whose backward
+    did not (no backward, a failed rank voting no): every rank issues the same collectives in the
+    same order either way. Parameters (and buffers) start equal on every rank (broadcast from rank 0
+    at wrap time); with ``broadcast_buffers`` the buffers are rank 0's again at every commit.
 
-    After an elastic shrink (``set_replica_share``) the average stays the one over the
-    job's full global batch: each replica's gradient is weighted by the share of the
-    step's batch slots it covered and the sum is divided by the number of slots.
+    After an elastic shrink (``set_replica_share``) the average stays the one over the job's
+    full global batch: each replica's gradient is weighted by the share of the step's batch
+    slots it covered and the sum is divided by the number of slots.
 
     Not guaranteed: reentrant activation checkpointing (``use_reentrant=True``) runs nested
     backward passes whose end is taken for the end of the whole one; use the non-reentrant kind.
@@ -131,83 +77,179 @@ class FixedLayoutDDP(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, group_of: Callable[[], GenerationGroup],
                  device: torch.device, broadcast: bool = True,
                  ready_to_sync: Callable[[], bool] = lambda: True,
-                 bucket_cap_bytes: int = BUCKET_CAP_BYTES,
-                 set_phase: Callable[[str], None] = lambda _phase: None) -> None:
+                 set_phase: Callable[[str], None] = lambda _phase: None,
+                 options: DDPOptions | None = None,
+                 before_extra_round: Callable[[], bool] = lambda: True) -> None:
         super().__init__()
         if isinstance(module, (FixedLayoutDDP, torch.nn.parallel.DistributedDataParallel)):
             raise ValueError(f"ft.wrap_model: the model is already wrapped by {type(module).__name__}; "
                              f"pass the plain module (undying averages its gradients itself)")
+        self.options = options = options or DDPOptions()
         # A torch.compile'd model trains through its compiled wrapper, but its state (checkpoints,
         # the repair, digests) is the plain module's: keys without "_orig_mod.", loadable either way.
         compiled = module if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module) else None
         self.module: torch.nn.Module = compiled._orig_mod if compiled is not None else module  # type: ignore[assignment]
         object.__setattr__(self, "_call", compiled if compiled is not None else self.module)  # not a submodule
+        check_sync_batchnorm(self.module, device)
         self._group_of = group_of
+        self._device = device
         self._ready_to_sync = ready_to_sync
+        self._before_extra_round = before_extra_round
         # Waiting for peers is `syncing` to the controller: a rank `computing` for step_timeout with
         # no progress is taken for stalled, and the one stalled is the peer, not the waiting rank.
         self._set_phase = set_phase
-        params = [p for p in module.parameters() if p.requires_grad]
-        if not params:
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
+        if not self._params:
             raise ValueError("wrap_model: the model has no parameters that require gradients")
-        self._buckets = [_Bucket(run, device) for run in bucket_layout(params, bucket_cap_bytes)]
-        self._bucket_of = {id(p): index for index, bucket in enumerate(self._buckets) for p in bucket.params}
+        self._index_of = {id(p): index for index, p in enumerate(self._params)}
+        self.bucket_order = BucketOrder(len(self._params))  # job state: registered by the runtime
+        self._buckets: list[Bucket] = []
+        self._built_from: list[int] | None = None  # the ready order the buckets were laid out from
+        self._bucket_of: dict[int, int] = {}
+        self._lay_out()
+        self.buffer_sync = BufferSync(self.module)
+        self._hook = CommHook.NONE
+        self._rounds_ever = 0
         self._gradient_weight = 1  # slots covered by one backward of this replica (elastic ``grow``)
         self._slots_per_step: int | None = None  # None: divide by the process group's size
-        self._sync_enabled = True  # False inside no_sync()
+        self._weights_total: int | None = None  # the replicas' weights summed (None: slots_per_step)
+        # DDP's own attributes, read and written as under DDP: a forward run with grad enabled while
+        # ``require_backward_grad_sync`` is True arms the next backward pass to average (``no_sync()``
+        # only toggles it); ``require_forward_param_sync`` says whether the last forward was such a one.
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.device_ids = options.device_ids
+        self.output_device = options.output_device
+        self.dim = 0
+        self.find_unused_parameters = options.find_unused_parameters
+        self.gradient_as_bucket_view = options.gradient_as_bucket_view
+        self.static_graph = options.static_graph
+        self.bucket_bytes_cap = options.bucket_bytes
+        self.device = self._params[0].device
+        self._armed = False  # a forward since the last backward asked that backward to average
         self._in_step = False
         self._reset_step()
-        for param in params:
+        for param in self._params:
             param.register_post_accumulate_grad_hook(self._gradient_ready)
-        if broadcast:
-            self.sync_parameters()
+        if broadcast and options.init_sync:
+            self.sync_parameters(buffers=options.init_sync_buffers)
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.options.broadcast_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.options = dataclasses.replace(self.options, broadcast_buffers=bool(value))
+
+    @property
+    def process_group(self) -> Any:
+        """The current generation's default group (DDP's attribute; undying averages over its own group)."""
+        return dist.group.WORLD
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(*args, **kwargs)  # type: ignore[operator]  # set with object.__setattr__
+        if self.device_ids:  # as DDP's: inputs go to the model's device
+            args, kwargs = tree_map_only(torch.Tensor, lambda tensor: tensor.to(self.device), (args, kwargs))
+        output = self._call(*args, **kwargs)  # type: ignore[operator]  # set with object.__setattr__
+        # As DDP decides in its forward: whether this forward's backward averages is settled here,
+        # so a forward inside ``no_sync()`` and its backward outside accumulates, as under DDP.
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self._armed = True
+            self.require_forward_param_sync = True
+        else:
+            self.require_forward_param_sync = False
+        return output
 
     @torch.no_grad()
-    def sync_parameters(self, root: int = 0) -> None:
-        """Make every rank's parameters and buffers equal to ``root``'s."""
-        group = self._group_of()
-        tensors = [p.data for p in self.module.parameters()] + list(self.module.buffers())
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        for same_dtype in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in same_dtype])
-            group.broadcast(flat, root)
-            for tensor, view in zip(same_dtype, flat_views(same_dtype, flat), strict=True):
-                tensor.copy_(view)
+    def sync_parameters(self, root: int = 0, buffers: bool = True) -> None:
+        """Make every rank's parameters (and buffers) equal to ``root``'s."""
+        tensors = [p.data for p in self.module.parameters()] + (list(self.module.buffers()) if buffers else [])
+        broadcast_tensors(self._group_of(), tensors, root)
 
-    def set_replica_share(self, gradient_weight: int, slots_per_step: int | None) -> None:
+    def sync_buffers(self) -> None:
+        """With ``broadcast_buffers``: every rank's buffers made group rank 0's (a collective)."""
+        if self.options.broadcast_buffers and self.buffer_sync.named():
+            self.buffer_sync.broadcast(self._group_of())
+
+    def set_replica_share(self, gradient_weight: int, slots_per_step: int | None,
+                          weights_total: int | None = None) -> None:
         """Elastic training: this replica's gradient stands for ``gradient_weight`` batch slots (one
-        larger batch) and the step's gradient is the sum over ``slots_per_step`` slots divided by it.
-        ``(1, None)`` is the plain data-parallel mean over the group."""
+        larger batch) and the step's gradient is the sum over ``slots_per_step`` slots divided by it;
+        ``weights_total`` is the replicas' weights summed, when not ``slots_per_step`` (``accumulate``:
+        one per replica). ``(1, None)`` is the plain data-parallel mean over the group."""
         self._gradient_weight = gradient_weight
         self._slots_per_step = slots_per_step
+        self._weights_total = weights_total
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally, without averaging them (as DDP's)."""
-        before = self._sync_enabled
-        self._sync_enabled = False
+        """Forward and backward passes inside accumulate gradients locally, without averaging them:
+        as DDP's, it sets ``require_backward_grad_sync`` to False and puts it back."""
+        before = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self._sync_enabled = before
+            self.require_backward_grad_sync = before
 
-    # ------------------------------------------------------------- one step's average
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """DDP's, for torch's stock hooks (``allreduce_hook``, ``fp16_compress_hook``,
+        ``bf16_compress_hook``), run in the fixed buckets; any other hook is refused."""
+        kind = stock_hook(hook)
+        if kind is None:
+            raise ValueError(f"model.register_comm_hook: {getattr(hook, '__qualname__', hook)!r} is not supported; "
+                             f"undying runs torch's stock hooks (allreduce_hook, fp16_compress_hook, "
+                             f"bf16_compress_hook of torch.distributed.algorithms.ddp_comm_hooks.default_hooks)")
+        if state is not None:
+            raise ValueError("model.register_comm_hook: state must be None (the default group): undying sums "
+                             "over each generation's own group")
+        if self._hook is not CommHook.NONE:
+            raise RuntimeError("model.register_comm_hook: a communication hook can only be registered once (as DDP's)")
+        if self._rounds_ever:
+            raise RuntimeError("model.register_comm_hook: register it before the first backward pass (as DDP "
+                               "requires): a replacement process must sum every step the same way")
+        self._hook = kind
+
+    # ------------------------------------------------------------- layout and commit boundary
+
+    def _lay_out(self) -> None:
+        """The buckets for the current point in the job's history (``bucket_order``)."""
+        order, options = self.bucket_order.ready_order, self.options
+        if self._buckets and order == self._built_from:
+            return
+        if order is None:
+            layout = initial_layout(self._params, options.find_unused_parameters, options.first_bucket_bytes,
+                                    options.bucket_bytes)
+        else:
+            layout = rebuilt_layout(self._params, order, options.first_bucket_bytes, options.bucket_bytes)
+        self._buckets = [Bucket([self._params[index] for index in run], self._device) for run in layout]
+        self._bucket_of = {id(p): index for index, bucket in enumerate(self._buckets) for p in bucket.params}
+        self._built_from = None if order is None else list(order)
+
+    def mark_commit_boundary(self) -> None:
+        self.buffer_sync.mark_commit_boundary()
+
+    def forget_failed_step(self) -> None:
+        """The buffers as they were at the commit boundary (a failed step's forwards changed them)."""
+        self.buffer_sync.roll_back()
+
+    # ------------------------------------------------------------- one step's averages
 
     def begin_step(self) -> None:
         """A new step: its gradients have not been averaged yet."""
         self._in_step = True
+        self._armed = False
         self._reset_step()
 
     def _reset_step(self) -> None:
-        self._averaged = False  # this step's gradients were averaged (or the attempt failed)
+        self._rounds = 0  # averaging rounds started in this step
+        self._round_open = False  # a round started and not completed
+        self._refused = False  # a peer gave the step up (learnt before a further round)
         self._failure: CollectiveError | None = None
-        self._pending: list[tuple[_Bucket, dist.Work | None]] = []  # launched, in bucket order
+        self._pending: list[tuple[Bucket, dist.Work | None]] = []  # launched, in bucket order
         self._ready: list[int] = [0] * len(self._buckets)  # gradients accumulated, per bucket
+        self._average_before: dict[int, torch.Tensor] | None = None  # the step's average so far (elastic)
+        self._fired: dict[int, None] = {}  # parameter indices in the order their gradients came (ordered set)
         self._backward_running = False
         self._backward_averages = False
 
@@ -216,13 +258,17 @@ class FixedLayoutDDP(torch.nn.Module):
         once its gradients are in."""
         if not self._in_step:
             return
+        if self.bucket_order.ready_order is None:
+            self._fired.setdefault(self._index_of[id(param)])
         if not self._backward_running:
             self._backward_running = True
-            self._backward_averages = self._sync_enabled and self._ready_to_sync()
-            if self._backward_averages and self._averaged:
-                raise RuntimeError("undying: a second backward pass averaged the gradients of this step; "
-                                   "wrap the earlier backward passes of the step in `with model.no_sync():` "
-                                   "(as with DDP)")
+            self._backward_averages = self._armed and not self._refused and self._ready_to_sync()
+            self._armed = False
+            if self._backward_averages and self._rounds > 0:
+                self._backward_averages = self._before_extra_round()
+                self._refused = not self._backward_averages
+            if self._backward_averages:
+                self._start_round()
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
         if not self._backward_averages:
             return
@@ -237,6 +283,25 @@ class FixedLayoutDDP(torch.nn.Module):
         if averages:
             self._complete()
 
+    def _divisor(self, group: GenerationGroup) -> int:
+        return self._slots_per_step or group.world_size
+
+    def _start_round(self) -> None:
+        self._lay_out()
+        self._rounds += 1
+        self._rounds_ever += 1
+        self._round_open = True
+        self._pending = []
+        self._ready = [0] * len(self._buckets)
+
+    def _correction(self) -> float:
+        """A further round sums every replica's gradient, which holds the earlier average once per
+        replica; with weights that do not add up to the slots (``accumulate``) the sum is corrected
+        by the missing (slots - weights) copies of it. Zero in a plain job and under ``grow``."""
+        if self._slots_per_step is None or self._weights_total is None:
+            return 0.0
+        return (self._slots_per_step - self._weights_total) / self._slots_per_step
+
     def _launch_next(self) -> None:
         bucket = self._buckets[len(self._pending)]
         group = self._group_of()
@@ -244,25 +309,28 @@ class FixedLayoutDDP(torch.nn.Module):
             self._pending.append((bucket, None))
             return
         bucket.use_in(group.generation)
-        bucket.gather(self._gradient_weight)
+        bucket.gather(self._hook, self._gradient_weight, self._divisor(group))
         try:
-            self._pending.append((bucket, group.start_allreduce(bucket.flat)))
+            self._pending.append((bucket, bucket.start(group, self._hook, self._divisor(group))))
         except CollectiveError as error:
             self._failure = error.retold()
             self._pending.append((bucket, None))
 
     def _complete(self) -> None:
         """Launch the buckets not yet launched (parameters unused in this backward), wait for every
-        all-reduce, write the averages back. A failed collective is kept, not raised: the step
-        fails at ``opt.step()`` (``sync_gradients``), where the runtime decides."""
+        all-reduce, write the averages back; in the job's first round, agree on the gradient order
+        (rank 0's, as DDP). A failed collective is kept, not raised: the step fails at
+        ``opt.step()`` (``sync_gradients``), where the runtime decides."""
         while len(self._pending) < len(self._buckets):
             self._launch_next()
         group = self._group_of()
         self._set_phase(Phase.SYNCING)
+        used = self._start_used_map(group)
         pending, self._pending = self._pending, []
         work: dist.Work | None = None
-        for bucket, work in pending:
-            self._pending.append((bucket, None))  # no reference to a work outlives its wait
+        for bucket, work in [*pending, *([] if used is None else [(None, used[1])])]:
+            if bucket is not None:
+                self._pending.append((bucket, None))  # no reference to a work outlives its wait
             if work is None:
                 continue
             if self._failure is not None:
@@ -273,18 +341,55 @@ class FixedLayoutDDP(torch.nn.Module):
             except CollectiveError as error:
                 self._failure = error.retold()
         del pending, work
+        if self._failure is None and self.bucket_order.ready_order is None:
+            self._record_order(group)
         self._set_phase(Phase.COMPUTING)
-        self._averaged = True
+        self._round_open = False
         if self._failure is None:
+            unused = set() if used is None else {id(self._params[index])
+                                                 for index in torch.nonzero(used[0] == 0).flatten().tolist()}
+            correction = self._correction()
             for bucket, _ in self._pending:
-                bucket.scatter(self._slots_per_step or group.world_size)
+                bucket.finish(self.options.gradient_as_bucket_view, unused, correction, self._average_before)
+            if correction:  # a further round of the step adds what it misses of this average
+                self._average_before = {id(param): view.clone() for bucket, _ in self._pending
+                                        for param, view in zip(bucket.params, bucket.views, strict=True)}
+
+    def _start_used_map(self, group: GenerationGroup) -> tuple[torch.Tensor, dist.Work | None] | None:
+        """With ``find_unused_parameters``: which parameters have a gradient on some rank (DDP leaves
+        the others untouched), summed beside the buckets."""
+        if not self.options.find_unused_parameters:
+            return None
+        used = torch.tensor([param.grad is not None for param in self._params], dtype=torch.int32,
+                            device=self._device)
+        if self._failure is not None:
+            return used, None
+        try:
+            return used, group.start_allreduce(used)
+        except CollectiveError as error:
+            self._failure = error.retold()
+            return used, None
+
+    def _record_order(self, group: GenerationGroup) -> None:
+        """The job's first round: the order this backward produced the gradients, rank 0's for all."""
+        order = torch.tensor(complete_order(list(self._fired), len(self._params)), dtype=torch.int64,
+                             device=self._device)
+        try:
+            group.broadcast(order, 0)
+        except CollectiveError as error:
+            self._failure = error.retold()
+            return
+        self.bucket_order.ready_order = order.tolist()
 
     def sync_gradients(self) -> None:
-        """Make sure this step's gradients are averaged (a no-op if its backward did it); raises the
-        ``CollectiveError`` of a failed all-reduce. Outside a step it always averages anew."""
+        """Make sure this step's gradients are averaged (a no-op if a backward did it and no round is
+        left open); raises the ``CollectiveError`` of a failed all-reduce. Outside a step it always
+        averages anew."""
         if not self._in_step:
             self._reset_step()
-        if not self._averaged:
+        if self._rounds == 0:
+            self._start_round()
+        if self._round_open:
             self._complete()
         if self._failure is not None:
             raise self._failure.retold()

@@ -16,7 +16,7 @@ import torch
 from undying.config import JobSpec
 from undying.protocol import Phase
 from undying.runtime.carried_batches import CarriedBatchError
-from undying.runtime.ddp import commit_vote, commit_vote_with_sums
+from undying.runtime.ddp import FixedLayoutDDP, commit_vote, commit_vote_with_sums
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
 from undying.runtime.peer_copies import PeerCopies
@@ -103,12 +103,7 @@ class StepTransaction:
             for model in self.state.models:
                 model.sync_gradients()
             self.set_phase(Phase.SYNCING)
-            group = self.membership.current_group()
-            sums: list[float] | None = None
-            if self.peer_copies is not None and self.peer_copies.enabled:
-                all_ok, sums = commit_vote_with_sums(group, vote_ok, self.peer_copies.vote_report(), self.device)
-            else:
-                all_ok = commit_vote(group, vote_ok, self.device)
+            all_ok, sums = self._buffers_and_vote(vote_ok)
         except CollectiveError as error:
             self.fail(f"gradient all-reduce failed: {error}")
             return False
@@ -116,7 +111,7 @@ class StepTransaction:
             self.fail("a rank voted against this step")
             return False
         if sums is not None and self.peer_copies is not None:
-            self.peer_copies.vote_result(sums, group.world_size)
+            self.peer_copies.vote_result(sums, self.membership.current_group().world_size)
         # The fence: a rank silent for long enough to have been given up (a frozen host, woken) asks
         # the controller first, and applies nothing if its generation was aborted meanwhile: its
         # all-reduce may have completed from bytes its peers sent before they gave the step up. A
@@ -129,6 +124,35 @@ class StepTransaction:
         self.rng_mirror.wait()
         self.updated = True
         return True
+
+    def agree_to_continue(self) -> bool:
+        """Before a further averaging round of the step (a second averaged backward): every rank
+        still in the step? The same buffer broadcasts and vote as the commit's, voting yes: a rank
+        that has given the step up meanwhile is in its commit, and its no pairs with this. False:
+        the step is refused (this rank has voted) and nothing more is averaged in it."""
+        if self.voted:
+            return self.failure is None
+        try:
+            all_ok, _ = self._buffers_and_vote(True)
+        except CollectiveError as error:
+            self.voted = True
+            self.fail(f"gradient all-reduce failed: {error}")
+            return False
+        if not all_ok:
+            self.voted = True
+            self.fail("a rank voted against this step")
+        return all_ok
+
+    def _buffers_and_vote(self, vote_ok: bool) -> tuple[bool, list[float] | None]:
+        """The models' buffers made group rank 0's (``broadcast_buffers``), then one vote-shaped
+        all-reduce: (every rank voted yes, the peer-copy report sums or None)."""
+        for model in self.state.models:
+            if isinstance(model, FixedLayoutDDP):
+                model.sync_buffers()
+        group = self.membership.current_group()
+        if self.peer_copies is not None and self.peer_copies.enabled:
+            return commit_vote_with_sums(group, vote_ok, self.peer_copies.vote_report(), self.device)
+        return commit_vote(group, vote_ok, self.device), None
 
     def step_raised(self, error: BaseException | None) -> bool:
         """The ``with step:`` guard saw the body end; True suppresses its exception (the step is re-run).
