@@ -33,10 +33,10 @@ pytestmark = pytest.mark.faults
 SCRIPT = REPO / "tests" / "scripts" / "nanogpt_style.py"
 # `--recover-strategy` with a process-level strategy turns process_recover on by itself.
 CHAIN = ["--set", "pod_rescheduling=on", "--recover-strategy", "retry,recover-in-place,recover"]
-SAVED_AT = 8  # the iteration of the plain run's last checkpoint (eval_interval 8, 12 iterations)
-STEPS = 24
-FAULTS = {10: ("kill:rank=1", "recover-in-place"), 13: ("raise:rank=2", "retry"),
-          16: ("hang:rank=3", "recover-in-place"), 19: ("node:node=1", "recover")}
+SAVED_AT = 8  # the iteration of the plain run's last checkpoint (eval_interval 8, 9 iterations)
+STEPS = 20
+FAULTS = {10: ("kill:rank=1", "recover-in-place"), 12: ("raise:rank=2", "retry"),
+          14: ("hang:rank=3", "recover-in-place"), 17: ("node:node=1", "recover")}
 
 
 def plain_python(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -60,11 +60,12 @@ def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     script's own ckpt.pt (holding the step value as ``iter_num``) and undying's result.json in a
     fresh run directory."""
     cwd = tmp_path_factory.mktemp("nanogpt-plain")
-    done = plain_python(cwd, "--steps", "12", "--out-dir", "out", "--gradient-accumulation-steps", "2")
+    done = plain_python(cwd, "--steps", str(SAVED_AT + 1), "--out-dir", "out", "--gradient-accumulation-steps", "2")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "iter 11: loss" in done.stdout
+    assert f"iter {SAVED_AT}: loss" in done.stdout
     [run_dir] = (cwd / "runs").iterdir()
-    assert run_dir.name.startswith("standalone-") and '"final_step": 12' in (run_dir / "result.json").read_text()
+    assert run_dir.name.startswith("standalone-")
+    assert f'"final_step": {SAVED_AT + 1}' in (run_dir / "result.json").read_text()
     # The resume below loads it as nanoGPT does (torch.load's weights_only default, in a process where
     # undying allowlisted int); a tool that does not import undying needs add_safe_globals([int]).
     with torch.serialization.safe_globals([int]):

@@ -227,8 +227,8 @@ class Runtime:
         step transaction: checkpointed with the training state, handed to a replacement rank, and
         wound back to the last committed step when a step fails.
 
-        LR schedulers built on a wrapped optimizer (or the optimizer it wraps) and a GradScaler need
-        no ``register``: ``steps()`` finds those that exist when it starts and registers them itself;
+        LR schedulers built on a wrapped optimizer (or the optimizer it wraps), a GradScaler and an
+        ``AveragedModel`` need no ``register``: ``steps()`` finds those that exist when it starts and registers them itself;
         those it cannot name unambiguously (e.g. two LambdaLR on one optimizer) are left to
         ``register`` and named in one warning at the first step."""
         self.state.register(name, obj)
@@ -337,6 +337,7 @@ class Runtime:
         elif agree_on_start(self.membership.current_group(), start, self.device) is not None:
             assert start is not None
             start_from_script_checkpoint(self.state, self.membership.current_group(), self.device, start)
+            self.checkpoints.peer.continued(start)  # peer copies anchor at the step the job continues from
         # Restored: a fault from now on finds this rank holding a step the job can recover from
         # in place, and the controller must know that before this rank's first step.
         self.reporter.report_now(self.state.committed_step, Phase.COMPUTING)
