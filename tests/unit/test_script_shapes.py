@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,25 @@ from undying.runtime.training_state import TrainingState
 from undying.worker_env import WorkerEnv, worker_env_of_this_process
 
 
+_RUNTIMES: list[Runtime] = []
+
+
 def standalone(run_dir: Path, **spec: Any) -> Runtime:
-    return Runtime(WorkerEnv(spec=JobSpec(**spec), run_dir=run_dir))
+    runtime = Runtime(WorkerEnv(spec=JobSpec(**spec), run_dir=run_dir))
+    _RUNTIMES.append(runtime)
+    return runtime
+
+
+@pytest.fixture(autouse=True)
+def _close_runtimes() -> Iterator[None]:
+    """A runtime a test left unfinished (its loop raised) still holds torch's default group: close it,
+    so that later tests may make their own."""
+    yield
+    while _RUNTIMES:
+        runtime = _RUNTIMES.pop()
+        if not runtime.finished:
+            runtime.checkpoints.close()
+            runtime.membership.close()
 
 
 def small_job(ft: Runtime) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
