@@ -28,7 +28,6 @@ from undying.runtime.pg import GenerationGroup
 from undying.runtime.training_state import TrainingState
 from undying.worker_env import WorkerEnv, worker_env_of_this_process
 
-
 _RUNTIMES: list[Runtime] = []
 
 
