@@ -29,7 +29,7 @@ STEPS = 40
 FAULT_STEP = 25
 BASE = ["--nnodes", "2", "--nproc-per-node", "2", "--monitor-interval", "0.5", "--quiet",
         "--set", "heartbeat_interval=0.5", "--set", "heartbeat_timeout=3", "--set", "process_recover=true",
-        "--recover-strategy", "recover-in-place,recover", "--inject", f"kill:rank=1:step={FAULT_STEP}"]
+        "--recover-strategy", "recover-in-place", "--inject", f"kill:rank=1:step={FAULT_STEP}"]
 SCENARIOS = ("not compiled", "compiled, caches off (cold replacement)", "compiled, compile_cache (warm)")
 
 

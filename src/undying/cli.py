@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from undying import __version__
-from undying.config import SpecError, load_job_spec
+from undying.config import SpecError, load_job_spec, recover_strategy_overrides
 from undying.console_streams import StreamOptionError, console_streams
 from undying.inject import InjectionSpecError, check_targets, encode, parse_injections
 from undying.torchrun_flags import FlagError, add_torchrun_arguments, controller_flags, nproc_per_node
@@ -89,7 +89,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --etcd: seconds a dead leader's lease lasts before another takes over "
                              "(default 5, at least 2)")
     parser.add_argument("--recover-strategy", help="comma list: retry, recover-in-place, recover, "
-                        "elastic-training, dump, exit")
+                        "elastic-training, dump, exit (a list with any but exit sets process_recover: true)")
     parser.add_argument("--checkpoint-dir", help="checkpoint directory (default RUN_DIR/checkpoints)")
     parser.add_argument("--checkpoint-interval", type=int, help="steps between periodic checkpoints")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -183,7 +183,7 @@ def command_run(args: argparse.Namespace) -> int:
             fail(str(error))
     for key in ("nproc_per_node", "max_restarts", "monitor_interval"):
         overrides[key] = getattr(args, key)
-    overrides["recover_strategy"] = args.recover_strategy
+    overrides.update(recover_strategy_overrides(args.recover_strategy, overrides))  # implies process_recover
     overrides["checkpoint.dir"] = args.checkpoint_dir
     overrides["checkpoint.interval"] = args.checkpoint_interval
     try:

@@ -26,10 +26,19 @@ from undying.data_sampler import (
     roll_if_exhausted,
 )
 
-__all__ = ["ACCUMULATE", "ELASTIC_BATCH_MODES", "EPOCH_SEED_STRIDE", "GROW", "MapStyleDataset",
+__all__ = ["ACCUMULATE", "ELASTIC_BATCH_MODES", "EPOCH_SEED_STRIDE", "GROW", "DrawWatcher", "MapStyleDataset",
            "ResumableLoader", "is_map_style", "replica_slots"]
 
 SEED_MASK = (1 << 63) - 1  # torch.Generator.manual_seed takes a 64-bit seed
+
+
+class DrawWatcher(Protocol):
+    """Told of every batch a loader hands out and of every load of its position (the worker's
+    runtime/carried_batches.py ``DrawLedger``: a batch carried across steps in a variable)."""
+
+    def drew(self) -> None: ...
+
+    def position_replaced(self) -> None: ...
 
 
 class MapStyleDataset(Protocol):
@@ -127,6 +136,7 @@ class ResumableLoader:
         self._batches: Iterator[Any] | None = None
         self._batches_at: tuple[Cursor, Layout] | None = None  # where the next batch of _batches is from
         self.stream_restarts = 0  # DataLoader iterators started (the first included)
+        self.draws: DrawWatcher | None = None  # ft.dataloader's: told of each batch and position load
 
     @property
     def epoch(self) -> int:
@@ -179,6 +189,8 @@ class ResumableLoader:
         self._batches_at = (planned.after, planned.layout)
         self.last_indices = planned.indices
         self.step_indices.extend(planned.indices)
+        if self.draws is not None:
+            self.draws.drew()
         return batch
 
     def step_batches(self) -> Iterator[Any]:
@@ -222,6 +234,8 @@ class ResumableLoader:
         self._cursor = roll_if_exhausted(Cursor(epoch, position), self._layout(), self.dataset_len)
         self.last_indices = []
         self.begin_step()
+        if self.draws is not None:
+            self.draws.position_replaced()
 
     def reshard(self, rank: int, world_size: int, batch_size: int | None = None) -> None:
         """Take a new slice of the global order from the next batch on; epoch and position are kept.

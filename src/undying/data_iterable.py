@@ -12,6 +12,8 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
+from undying.data import DrawWatcher
+
 __all__ = ["StatefulIterableLoader", "is_stateful_iterable", "iterable_loader"]
 
 
@@ -66,6 +68,7 @@ class StatefulIterableLoader:
         self.batch_size = batch_size
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
         self._items: Iterator[Any] | None = None
+        self.draws: DrawWatcher | None = None  # ft.dataloader's: told of each batch and position load
 
     def __iter__(self) -> StatefulIterableLoader:
         return self
@@ -74,9 +77,13 @@ class StatefulIterableLoader:
         if self._items is None:
             self._items = iter(self.source)
         if self.batch_size is None:
-            return self._take()
-        # A pass's last samples, fewer than a batch, are dropped with its StopIteration (drop_last).
-        return self.collate_fn([self._take() for _ in range(self.batch_size)])
+            batch = self._take()
+        else:
+            # A pass's last samples, fewer than a batch, are dropped with its StopIteration (drop_last).
+            batch = self.collate_fn([self._take() for _ in range(self.batch_size)])
+        if self.draws is not None:
+            self.draws.drew()
+        return batch
 
     def step_batches(self) -> Iterator[Any]:
         """One batch: the loop shape of ``ResumableLoader.step_batches`` (this loader never shrinks)."""
@@ -88,6 +95,8 @@ class StatefulIterableLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.source.load_state_dict(state)
         self._items = None
+        if self.draws is not None:
+            self.draws.position_replaced()
 
     def _take(self) -> Any:
         assert self._items is not None

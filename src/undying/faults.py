@@ -51,7 +51,8 @@ def exception_line(lines: list[str]) -> str:
         return ""
     for line in lines[start + 1:]:
         if line.strip() and not line[:1].isspace() and not line.startswith(TRACEBACK_HEADER):
-            return line.strip()[:ERROR_LINE_MAX]
+            line = line.strip()
+            return line if len(line) <= ERROR_LINE_MAX else line[:ERROR_LINE_MAX - 3] + "..."
     return ""
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from undying.faults import exception_line
 
 TAIL_LINES = 12  # lines of a failed worker's output shown with its fault
-TAIL_LINE_CHARS = 300  # ... each cut to this many characters
+TAIL_LINE_CHARS = 1000  # ... each cut to this many characters
 # Read this much of the end of a log to find the last traceback's start (torch's can be long).
 TAIL_WINDOW_BYTES = 64 * 1024
 

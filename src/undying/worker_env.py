@@ -8,6 +8,7 @@ place. The launcher hands the agent three of them too (token, spec, injections).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +46,14 @@ DETERMINISTIC_ENV: dict[str, str] = {
 }
 _CHANNEL_BOUNDS = ("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")
 
-STANDALONE_RUN_DIR = "runs/standalone"
 STANDALONE_STORE_PREFIX = "undying/standalone"
+
+
+def standalone_run_dir() -> Path:
+    """A fresh run directory for a script started without ``undying run`` (plain ``python``), as
+    ``undying run`` makes one without ``--run-dir``: a new run never picks up another run's checkpoints.
+    ``UNDYING_RUN_DIR`` names one instead (to resume a plain run from its checkpoints)."""
+    return Path("runs") / time.strftime(f"standalone-%Y%m%d-%H%M%S-{os.getpid()}")
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class WorkerEnv:
     controller: str | None = None  # host:port of the controller's HTTP endpoint; None when standalone
     token: str = ""
     job_id: str | None = None  # None when standalone: no agent owns a node shared-memory directory
-    run_dir: Path = Path(STANDALONE_RUN_DIR)
+    run_dir: Path = field(default_factory=standalone_run_dir)
     spec: JobSpec = field(default_factory=JobSpec)
     injections_text: str = ""  # inject.decode reads it
     store_prefix: str = STANDALONE_STORE_PREFIX
@@ -135,7 +142,7 @@ class WorkerEnv:
             controller=env.get(ENV_CONTROLLER) or None,
             token=env.get(ENV_TOKEN, ""),
             job_id=env.get(ENV_JOB_ID) or None,
-            run_dir=Path(env.get(ENV_RUN_DIR, STANDALONE_RUN_DIR)),
+            run_dir=Path(env[ENV_RUN_DIR]) if env.get(ENV_RUN_DIR) else standalone_run_dir(),
             spec=spec_from_json(env[ENV_SPEC]) if ENV_SPEC in env else JobSpec(),
             injections_text=env.get(ENV_INJECT, ""),
             store_prefix=env.get(ENV_STORE_PREFIX, STANDALONE_STORE_PREFIX),
@@ -143,6 +150,19 @@ class WorkerEnv:
             master_port=int(env.get("MASTER_PORT") or "0"),
             members=tuple(int(rank) for rank in env.get(ENV_MEMBERS, "").split(",") if rank.strip()),
         )
+
+
+def worker_env_of_this_process(environ: Mapping[str, str] | None = None) -> WorkerEnv:
+    """What ``undying.init()`` joins: the job its agent started this process in, or a one-rank
+    standalone job (plain ``python``). A process given several ranks without an agent (torchrun's
+    ``WORLD_SIZE``) is refused in one line: nothing would connect its ranks."""
+    env = WorkerEnv.from_environ(environ)
+    if env.controller is None and env.world_size != 1:
+        raise ValueError(f"undying.init(): WORLD_SIZE={env.world_size} but this process was not started by "
+                         f"`undying run` ({ENV_CONTROLLER} is not set; torchrun sets WORLD_SIZE too): a plain "
+                         f"`python` run is one process; start {env.world_size} with `undying run "
+                         f"--nproc-per-node {env.world_size} SCRIPT`")
+    return env
 
 
 def compile_cache_environ(compile_cache: str | None) -> dict[str, str]:

@@ -34,6 +34,11 @@ def cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
         (["run", "--set", "wait_reschedule_timeout=10", str(EXAMPLE)], "wait_reschedule_timeout"),
         (["run", "--max-restarts", "40000", str(EXAMPLE)], "max_restarts"),
         (["run", "--recover-strategy", "retry,bogus", str(EXAMPLE)], "recover_strategy"),
+        # Every strategy the banner lists can run: recover needs pods rescheduled.
+        (["run", "--recover-strategy", "recover-in-place,recover", str(EXAMPLE)],
+         "pod_rescheduling: recover (in recover_strategy) needs pod_rescheduling: on"),
+        (["run", "--recover-strategy", "retry", "--set", "process_recover=false", str(EXAMPLE)],
+         "needs process_recover: true"),
         (["run", "--set", "watchdog=maybe", str(EXAMPLE)], "watchdog"),
         (["run", "--monitor-interval", "-1", str(EXAMPLE)], "monitor_interval"),
         (["run", "--set", "no_such_knob=1", str(EXAMPLE)], "no_such_knob"),

@@ -99,7 +99,7 @@ def test_a_failed_user_collective_without_retry_is_a_symptom_not_a_crash(dist_re
     """Without `retry`, a user collective that fails because a peer died is no error of the script:
     the controller aborts the generation (told within a moment), the step is re-run after a
     recover-in-place, and no survivor process is lost."""
-    run = run_job(tmp_path, ["--set", "process_recover=true", "--recover-strategy", "recover-in-place,recover",
+    run = run_job(tmp_path, ["--set", "process_recover=true", "--recover-strategy", "recover-in-place",
                              "--inject", f"kill:rank=1:step={FAULT_STEP}"],
                   steps=STEPS, script=DIST_USER, timeout=150, script_args=["--final-state", str(tmp_path / FINAL_STATE)])
     assert run.returncode == 0, run.output + run.logs()

@@ -35,6 +35,8 @@ def assert_survivors_kept(run: JobRun, replaced: set[int]) -> None:
     recovered = {e.rank: e.details["pid"] for e in run.kinds(ev.RECOVERED)}
     for rank in range(4):
         assert (recovered[rank] != first[rank]) == (rank in replaced), (rank, first, recovered)
+    # A replacement joins its generation before it builds its model: its phases are timed from the join.
+    assert all(e.details["wait_for_plan"] >= 0 for e in run.kinds(ev.RECOVERED)), run.kinds(ev.RECOVERED)
 
 
 def shards_received(run: JobRun) -> dict[int, int]:

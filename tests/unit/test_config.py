@@ -18,6 +18,7 @@ from undying.config import (
     JobSpec,
     SpecError,
     load_job_spec,
+    recover_strategy_overrides,
     spec_differences,
     spec_from_json,
     spec_to_dict,
@@ -177,12 +178,14 @@ def test_unknown_strategy_names_index_and_all_strategies() -> None:
 
 
 def test_every_strategy_is_accepted() -> None:
-    spec = load_job_spec(overrides={"process_recover": True, "recover_strategy": list(STRATEGIES)})
+    spec = load_job_spec(overrides={"process_recover": True, "pod_rescheduling": "on",
+                                    "recover_strategy": list(STRATEGIES)})
     assert spec.recover_strategy == list(STRATEGIES)
 
 
 def test_strategies_from_comma_separated_string() -> None:
-    spec = load_job_spec(overrides={"process_recover": True, "recover_strategy": "retry, recover,exit"})
+    spec = load_job_spec(overrides={"process_recover": True, "pod_rescheduling": "on",
+                                    "recover_strategy": "retry, recover,exit"})
     assert spec.recover_strategy == ["retry", "recover", "exit"]
     assert load_job_spec(overrides={"recover_strategy": "exit"}).recover_strategy == ["exit"]
 
@@ -205,6 +208,30 @@ def test_empty_strategy_list(empty: Any) -> None:
 def test_strategy_list_of_wrong_type() -> None:
     error = spec_error({"recover_strategy": 5})
     assert (error.field, error.problem, error.value) == ("recover_strategy", "not a list", 5)
+
+
+def test_recover_is_refused_without_the_settings_it_needs() -> None:
+    """Every strategy the start banner lists can run: recover needs pods rescheduled."""
+    listed = {"process_recover": True, "recover_strategy": "recover-in-place,recover"}
+    assert str(spec_error(listed)) == (
+        "job spec: pod_rescheduling: recover (in recover_strategy) needs pod_rescheduling: on; "
+        "allowed: on, or recover_strategy without recover (got 'off')")
+    assert str(spec_error({**listed, "pod_rescheduling": "on", "fault_scheduling": "off"})) == (
+        "job spec: fault_scheduling: recover (in recover_strategy) reschedules a lost node, which "
+        "fault_scheduling: off forbids; allowed: force or grace, or recover_strategy without recover (got 'off')")
+    assert load_job_spec(overrides={**listed, "pod_rescheduling": "on"}).recover_strategy == [
+        "recover-in-place", "recover"]
+
+
+def test_the_recover_strategy_flag_implies_process_recover() -> None:
+    """`--recover-strategy recover-in-place` alone asks for process-level recovery; an explicit
+    `--set process_recover=...` wins, and `exit` alone implies nothing."""
+    assert recover_strategy_overrides("retry, recover-in-place", {}) == {
+        "recover_strategy": "retry, recover-in-place", "process_recover": True}
+    assert load_job_spec(overrides=recover_strategy_overrides("recover-in-place", {})).process_recover is True
+    assert recover_strategy_overrides("exit", {}) == {"recover_strategy": "exit"}
+    assert recover_strategy_overrides("retry", {"process_recover": False}) == {"recover_strategy": "retry"}
+    assert recover_strategy_overrides(None, {}) == {}
 
 
 def test_process_level_strategy_needs_process_recover() -> None:
@@ -311,7 +338,7 @@ def test_yaml_file_with_on_off_hyphens_and_nested_checkpoint(tmp_path: Path) -> 
 process-recover-enable: true
 recover-strategy: [retry, recover, exit]
 pod-rescheduling: on
-fault-scheduling: off
+fault-scheduling: grace
 watchdog: off
 wait-reschedule-timeout: 30
 checkpoint:
@@ -327,7 +354,7 @@ nproc_per_node: 4
     assert spec.process_recover is True
     assert spec.recover_strategy == ["retry", "recover", "exit"]
     assert spec.pod_rescheduling == "on"
-    assert spec.fault_scheduling == "off"
+    assert spec.fault_scheduling == "grace"
     assert spec.watchdog == "off"
     assert spec.wait_reschedule_timeout == 30
     assert spec.checkpoint == CheckpointSpec(dir="/mnt/shared/run", interval=10, keep=2)

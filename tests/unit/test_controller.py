@@ -680,8 +680,9 @@ def test_a_lost_node_is_recovered_once_it_says_hello_again(make_job):
 
 
 def test_a_dump_writes_the_dying_checkpoint_then_the_job_restarts(make_job):
-    # Three single-rank nodes without pod rescheduling: a lost node leaves a majority to dump.
-    job = recovering_job(make_job, step=9, nnodes=3, nproc_per_node=1, pod_rescheduling="off")
+    # Three single-rank nodes without pod rescheduling (so without recover): a lost node leaves a majority to dump.
+    job = recovering_job(make_job, step=9, nnodes=3, nproc_per_node=1, pod_rescheduling="off",
+                         recover_strategy=["retry", "recover-in-place", "dump"])
     job.controller.report_agent_exit(2, -9)
     job.wait_state(JobState.RECOVERING)
     [decision] = job.events(ev.DECISION)
@@ -953,7 +954,7 @@ def test_with_fault_scheduling_off_the_job_ends_after_its_dying_checkpoint(make_
     """fault_scheduling: off: the dump is written, then the job ends failed (not restarted); its next
     run resumes from the dump."""
     job = recovering_job(make_job, step=9, nnodes=3, nproc_per_node=1, pod_rescheduling="off",
-                         fault_scheduling="off")
+                         fault_scheduling="off", recover_strategy=["retry", "recover-in-place", "dump"])
     job.controller.report_agent_exit(2, -9)
     job.wait_state(JobState.RECOVERING)
     [decision] = job.events(ev.DECISION)

@@ -68,6 +68,17 @@ def test_the_default_chain_is_job_restart_then_exit():
     assert describe_chain(spec) == "recovery: job-restart -> exit"
 
 
+def test_the_banner_lists_only_strategies_that_can_start():
+    """max_restarts 0 leaves exit alone (every other strategy spends a restart); fault_scheduling: off
+    forbids the job restart (and recover, which the spec refuses)."""
+    listed = JobSpec(process_recover=True, recover_strategy=["retry", "recover-in-place"])
+    assert describe_chain(listed) == "recovery: retry -> recover-in-place -> job-restart -> exit"
+    assert describe_chain(listed.model_copy(update={"max_restarts": 0})) == (
+        "recovery: exit (retry, recover-in-place, job-restart: never started, max_restarts is 0)")
+    assert describe_chain(listed.model_copy(update={"fault_scheduling": "off"})) == (
+        "recovery: retry -> recover-in-place -> exit (job-restart: never started, fault_scheduling is off)")
+
+
 def test_every_process_level_strategy_is_built():
     assert sorted(BUILT) == sorted([*PROCESS_STRATEGIES, ELASTIC])
     assert {name: type(strategy) for name, strategy in BUILT.items()} == {
@@ -147,7 +158,8 @@ def test_a_built_strategy_the_spec_does_not_list_is_not_used(monkeypatch):
 
 
 def test_the_chain_follows_mindclusters_order_whatever_order_the_spec_lists():
-    spec = JobSpec(process_recover=True, recover_strategy=["exit", "dump", "recover", "recover-in-place", "retry"])
+    spec = JobSpec(process_recover=True, recover_strategy=["exit", "dump", "recover", "recover-in-place", "retry"],
+                   pod_rescheduling="on")
     assert [strategy.name for strategy in effective_chain(spec)] == [
         RETRY, RECOVER_IN_PLACE, RECOVER, DUMP, JOB_RESTART, EXIT]
     assert describe_chain(spec) == "recovery: retry -> recover-in-place -> recover -> dump -> job-restart -> exit"
@@ -155,7 +167,7 @@ def test_the_chain_follows_mindclusters_order_whatever_order_the_spec_lists():
 
 @pytest.mark.parametrize("listed", [[RETRY], [RECOVER_IN_PLACE, DUMP], [RECOVER], [DUMP, RETRY]])
 def test_the_chain_holds_only_the_strategies_the_spec_lists(listed):
-    spec = JobSpec(process_recover=True, recover_strategy=listed)
+    spec = JobSpec(process_recover=True, recover_strategy=listed, pod_rescheduling="on")
     expected = [name for name in PROCESS_STRATEGIES if name in listed]
     assert [strategy.name for strategy in effective_chain(spec)] == [*expected, JOB_RESTART, EXIT]
 

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from undying.config.compare import NODE_LOCAL_FIELDS, spec_differences
 from undying.config.errors import SpecError
-from undying.config.loading import load_job_spec, spec_from_json, spec_to_dict, validate_job_spec
+from undying.config.loading import (
+    load_job_spec,
+    recover_strategy_overrides,
+    spec_from_json,
+    spec_to_dict,
+    validate_job_spec,
+)
 from undying.config.model import STRATEGIES, CheckpointSpec, JobSpec, SpecStrategy
 
 __all__ = [
@@ -21,6 +27,7 @@ __all__ = [
     "SpecError",
     "SpecStrategy",
     "load_job_spec",
+    "recover_strategy_overrides",
     "spec_differences",
     "spec_from_json",
     "spec_to_dict",

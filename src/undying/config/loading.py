@@ -50,6 +50,20 @@ def load_job_spec(
     return validate_job_spec(merged)
 
 
+def recover_strategy_overrides(names: str | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``--recover-strategy NAMES`` stands for among ``overrides`` (the other flags and --set):
+    the list, and ``process_recover: true`` when it names a process-level strategy (anything but
+    ``exit``), which is what a user asking for one means, unless ``process_recover`` is set there
+    explicitly. Nothing for ``None`` (the flag not given)."""
+    if names is None:
+        return {}
+    implied: dict[str, Any] = {"recover_strategy": names}
+    process_level = [name for name in (part.strip() for part in names.split(",")) if name and name != "exit"]
+    if process_level and overrides.get("process_recover") is None:
+        implied["process_recover"] = True
+    return implied
+
+
 def spec_to_dict(spec: JobSpec) -> dict[str, Any]:
     """The spec's wire form: a plain JSON-able dict with canonical field names, which
     ``validate_job_spec`` turns back into an equal spec."""

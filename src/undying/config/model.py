@@ -117,8 +117,10 @@ HOST_SILENCE_SLACK = 0.9
 
 class JobSpec(BaseModel):
     """One job's configuration, with every value in range and the cross-field rules holding:
-    non-exit strategies need ``process_recover``, ``heartbeat_timeout > heartbeat_interval``
-    and ``1 <= min_nodes <= nnodes``. It does not check that paths or URLs exist."""
+    non-exit strategies need ``process_recover``, ``recover`` needs ``pod_rescheduling: on`` and a
+    ``fault_scheduling`` other than ``off`` (so every strategy listed can run),
+    ``heartbeat_timeout > heartbeat_interval`` and ``1 <= min_nodes <= nnodes``. It does not check
+    that paths or URLs exist."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -223,6 +225,20 @@ class JobSpec(BaseModel):
                 "exit alone, or process_recover: true",
                 [str(name) for name in self.recover_strategy],
                 field="recover_strategy",
+            )
+        if StrategyName.RECOVER in self.recover_strategy and self.pod_rescheduling != "on":
+            raise spec_rule(
+                "recover (in recover_strategy) needs pod_rescheduling: on",
+                "on, or recover_strategy without recover",
+                self.pod_rescheduling,
+                field="pod_rescheduling",
+            )
+        if StrategyName.RECOVER in self.recover_strategy and self.fault_scheduling == "off":
+            raise spec_rule(
+                "recover (in recover_strategy) reschedules a lost node, which fault_scheduling: off forbids",
+                "force or grace, or recover_strategy without recover",
+                self.fault_scheduling,
+                field="fault_scheduling",
             )
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise spec_rule(

@@ -30,10 +30,13 @@ from undying.config import JobSpec
 from undying.data import ResumableLoader
 from undying.inject import decode
 from undying.protocol import Phase
+from undying.runtime.carried_batches import DrawLedger
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.ddp_options import parse_ddp_options
 from undying.runtime.devices import choose_backend, choose_device, set_numerics_mode
 from undying.runtime.injection_points import InjectionPoints
+from undying.runtime.loaders import build_loader
+from undying.runtime.loop_start import agree_on_start, print_rerun_line, start_from_script_checkpoint
 from undying.runtime.membership import Membership
 from undying.runtime.optim import CommitOptimizer, refuse_zero_redundancy
 from undying.runtime.pg import reapers_alive
@@ -44,34 +47,12 @@ from undying.runtime.scalars import checked_scalars
 from undying.runtime.sharded import ShardedModel, is_sharded, make_mesh, wrap_sharded
 from undying.runtime.snapshots import CheckpointEngine, checkpoint_root
 from undying.runtime.step_transaction import StepTransaction
+from undying.runtime.step_value import Step
 from undying.runtime.training_state import Stateful, TrainingState
 from undying.strategy_names import StrategyName
-from undying.worker_env import WorkerEnv
+from undying.worker_env import WorkerEnv, worker_env_of_this_process
 
 RESULT_FILE = "result.json"
-
-
-class Step(int):
-    """A step number that can also guard the step's body: ``with step: ...``.
-
-    Inside the guard, an exception raised by the step (e.g. a transient error) does not
-    kill the process when ``retry`` is enabled: this rank votes against the step, no
-    rank applies it, and everyone re-runs it in the same processes.
-    """
-
-    _runtime: Runtime
-
-    def __new__(cls, value: int, runtime: Runtime) -> Step:
-        step = super().__new__(cls, value)
-        step._runtime = runtime
-        return step
-
-    def __enter__(self) -> Step:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 traceback: TracebackType | None) -> bool:
-        return self._runtime.transaction.step_raised(exc)
 
 
 class Runtime:
@@ -84,7 +65,7 @@ class Runtime:
 
     def __init__(self, env: WorkerEnv | None = None) -> None:
         started = time.time()
-        env = WorkerEnv.from_environ() if env is None else env
+        env = worker_env_of_this_process() if env is None else env
         self.spec: JobSpec = env.spec
         self.rank = env.rank
         self.world_size = env.world_size
@@ -108,6 +89,7 @@ class Runtime:
                                           self.local_rank,
                                           lambda step: any(c.step == step for c in list_committed(root)))
         self._resumed_from: int | None = None
+        self.draws = DrawLedger()  # a batch carried into a step in a variable (runtime/carried_batches.py)
         self.finished = False
         self._loop_state_registered = False
         # Its own bounded store connection: a mirror write happens every step, and a store whose
@@ -195,6 +177,7 @@ class Runtime:
                                  f"model; a fully_shard-ed one takes none")
             sharded = wrap_sharded(model, self.membership.mesh, self.joining)
             self.state.models.append(sharded)
+            self._watch_forwards(sharded)
             return sharded
         options = parse_ddp_options(ddp_kwargs, self.device)
         # A replacement rank gets its parameters in the repair step, not by a broadcast
@@ -207,6 +190,7 @@ class Runtime:
         self.state.register(f"ddp.{len(self.state.models)}.bucket_order", wrapped.bucket_order)
         self.state.models.append(wrapped)
         self.state.apply_members(self.membership, self.spec.elastic_batch)
+        self._watch_forwards(wrapped)
         return wrapped
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> CommitOptimizer:
@@ -229,27 +213,14 @@ class Runtime:
         (torchdata's StatefulDataLoader, a stateful IterableDataset: ``batch_size`` samples per batch,
         or None if it yields batches) is wrapped and registered instead; it has no global order to
         respread, so a job that may shrink (``elastic-training``) refuses it."""
-        from undying.data import is_map_style
-        from undying.data_iterable import iterable_loader
-
-        if not is_map_style(dataset):
-            stateful = iterable_loader(dataset, batch_size, collate_fn,
-                                       elastic=StrategyName.ELASTIC in self.spec.recover_strategy,
-                                       worker_options={"num_workers": num_workers, "pin_memory": pin_memory,
-                                                       "persistent_workers": persistent_workers,
-                                                       "prefetch_factor": prefetch_factor,
-                                                       "worker_init_fn": worker_init_fn})
-            self.state.register(f"dataloader.{sum(name.startswith('dataloader.') for name in self.state.statefuls)}",
-                                stateful)
-            return stateful
-        if batch_size is None:
-            raise ValueError("ft.dataloader: batch_size is required for a map-style dataset (an integer >= 1)")
-        loader = ResumableLoader(dataset, batch_size, seed, self.rank, self.world_size, collate_fn,
-                                 num_workers=num_workers, pin_memory=pin_memory and self.device.type == "cuda",
-                                 persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
-                                 worker_init_fn=worker_init_fn)
-        self.state.loaders.append(loader)
-        self.state.apply_members(self.membership, self.spec.elastic_batch)
+        loader = build_loader(self.state, self.draws, dataset, batch_size, seed, collate_fn,
+                              {"num_workers": num_workers, "pin_memory": pin_memory,
+                               "persistent_workers": persistent_workers, "prefetch_factor": prefetch_factor,
+                               "worker_init_fn": worker_init_fn},
+                              rank=self.rank, world_size=self.world_size, device=self.device,
+                              elastic=StrategyName.ELASTIC in self.spec.recover_strategy)
+        if isinstance(loader, ResumableLoader):
+            self.state.apply_members(self.membership, self.spec.elastic_batch)
         return loader
 
     def register(self, name: str, obj: Stateful) -> None:
@@ -257,8 +228,8 @@ class Runtime:
         step transaction: checkpointed with the training state, handed to a replacement rank, and
         wound back to the last committed step when a step fails.
 
-        LR schedulers built on a wrapped optimizer (or the optimizer it wraps) and a GradScaler need
-        no ``register``: ``steps()`` finds those that exist when it starts and registers them itself;
+        LR schedulers built on a wrapped optimizer (or the optimizer it wraps), a GradScaler and an
+        ``AveragedModel`` need no ``register``: ``steps()`` finds those that exist when it starts and registers them itself;
         those it cannot name unambiguously (e.g. two LambdaLR on one optimizer) are left to
         ``register`` and named in one warning at the first step."""
         self.state.register(name, obj)
@@ -270,8 +241,15 @@ class Runtime:
         A tensor is read with ``.item()`` (on a GPU, a sync: pass a number you already have)."""
         self.reporter.update(scalars=checked_scalars(scalars, self.reporter.scalars))
 
-    def steps(self, max_steps: int) -> Iterator[Step]:
-        """Yield step numbers from the restored step to ``max_steps - 1``; each yield is one transaction.
+    def steps(self, max_steps: int, start: int | None = None) -> Iterator[Step]:
+        """Yield step numbers from the starting step to ``max_steps - 1``; each yield is one transaction.
+
+        The starting step: the one undying restores whenever it holds one (a restart from node memory
+        or its checkpoints, a replacement's repair); else ``start``, the step the script's own
+        checkpoint resumes at (nanoGPT's ``init_from='resume'``: pass its ``iter_num``), begun with the
+        first rank's weights, optimizer state, loader positions and registered objects, as the script
+        loaded them, on every rank; else 0. undying's own state wins over ``start`` (it is complete:
+        RNG, loaders, schedulers; and verified); every rank must pass the same ``start``.
 
         A step whose gradient sync failed (a peer died, a collective timed out, a rank
         voted against it) is not applied by anyone; the runtime then recovers and the
@@ -280,25 +258,24 @@ class Runtime:
         """
         self._register_loop_state()
         self.reporter.max_steps = max_steps
-        if self.joining:
-            self._recover("joining as a replacement rank")
-        else:
-            if self.checkpoints.restore():
-                self._resumed_from = self.state.committed_step
-            # Restored: a fault from now on finds this rank holding a step the job can recover from
-            # in place, and the controller must know that before this rank's first step.
-            self.reporter.report_now(self.state.committed_step, Phase.COMPUTING)
+        rerun_cause = self._begin(start)
         self._mark_commit_boundary()
         step = self.state.committed_step
         first = True
         while step < max_steps:
+            if rerun_cause is not None:
+                print_rerun_line(self.rank, step, self.generation, rerun_cause)
+                rerun_cause = None
             self.transaction.begin(step)
-            yield Step(step, self)
+            self.draws.begin_step(step)
+            yield Step(step, self.transaction)
+            self.draws.end_step()
             failure = self.transaction.end()
             if failure is not None:
                 self._recover(failure, self.transaction.raised)
                 step = self.state.committed_step
                 first = True
+                rerun_cause = "a recovery"
                 continue
             self.state.committed_step = step + 1
             if self.spec.sample_log:
@@ -349,6 +326,37 @@ class Runtime:
         if left_out:
             warnings.warn(f"undying: not part of the step transaction (a failed step would leave them "
                           f"advanced; pass each to ft.register): {', '.join(left_out)}", stacklevel=3)
+
+    def _begin(self, start: int | None) -> str | None:
+        """Take up the step the loop starts from (see ``steps``); returns what brought this rank there
+        when its earlier output may hold steps from it on (a recovery, a restore), else None."""
+        if self.joining:
+            self._recover("joining as a replacement rank")
+            return "a recovery"
+        restored = self.checkpoints.restore()
+        if restored:
+            self._resumed_from = self.state.committed_step
+            if start is not None and start != self.state.committed_step:
+                warnings.warn(f"undying: ft.steps starts at step {self.state.committed_step}, restored from "
+                              f"undying's own state, not at start={start}: its state wins (weights, optimizer, "
+                              f"RNG, data position of one committed step)", stacklevel=3)
+        elif agree_on_start(self.membership.current_group(), start, self.device) is not None:
+            assert start is not None
+            start_from_script_checkpoint(self.state, self.membership.current_group(), self.device, start)
+            self.checkpoints.peer.continued(start)  # peer copies anchor at the step the job continues from
+        # Restored: a fault from now on finds this rank holding a step the job can recover from
+        # in place, and the controller must know that before this rank's first step.
+        self.reporter.report_now(self.state.committed_step, Phase.COMPUTING)
+        return "a restore" if restored else None
+
+    def _watch_forwards(self, model: torch.nn.Module) -> None:
+        """Each call of the wrapped model with gradients enabled (a training forward) is shown to the
+        draw ledger: a step's first one must not read a batch carried in from another step."""
+        def training_forward(_module: torch.nn.Module, _args: Any) -> None:
+            if torch.is_grad_enabled():
+                self.draws.forward()
+
+        model.register_forward_pre_hook(training_forward)
 
     def _mark_commit_boundary(self) -> None:
         """Remember what a rollback to this committed step needs, and mirror its RNG state where a

@@ -1,5 +1,5 @@
 """The optimizer wrapper that makes ``opt.step()`` the commit point of a step, and the finding of the
-LR schedulers and GradScalers a loop built around it.
+LR schedulers, GradScalers and averaged models (EMA, SWA) a loop built around it.
 
 Runs in the worker. ``step()`` first averages the gradients of every wrapped model
 (with each rank's vote folded into that all-reduce), and applies the update only
@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.swa_utils import AveragedModel
 
 from undying.protocol import Phase
 
 GRAD_SCALER_NAME = "grad_scaler"
+AVERAGED_MODEL_NAME = "averaged_model"
 
 
 class CommitOptimizer(torch.optim.Optimizer):
@@ -111,7 +113,7 @@ class CommitOptimizer(torch.optim.Optimizer):
 class LoopStateSearch:
     """What one search of the live objects found (``search_loop_state``)."""
 
-    found: dict[str, Any]  # LR schedulers and GradScalers to register, by name
+    found: dict[str, Any]  # LR schedulers, GradScalers and averaged models to register, by name
     ambiguous: list[str]  # those that could not be named, for the user to ``register``
     strays: list[str]  # class names of optimizers over the model that are not wrapped
 
@@ -124,12 +126,14 @@ def search_loop_state(optimizers: list[CommitOptimizer], registered: Iterable[ob
     cycle may be the cause: a full collection over torch's objects costs ~0.1 s, and a replacement
     rank searches on its way to its recovery's check-in.
 
-    LR schedulers and GradScalers not in ``registered``, by name: a scheduler counts when built on
-    one of ``optimizers`` (the wrapper or the optimizer it wraps); the children of a SequentialLR or
+    LR schedulers, GradScalers and averaged models (``torch.optim.swa_utils.AveragedModel``: an EMA or
+    SWA average) not in ``registered``, by name: a scheduler counts when built on one of
+    ``optimizers`` (the wrapper or the optimizer it wraps); the children of a SequentialLR or
     ChainedScheduler come with their parent. The names depend only on what the script built
-    (``lr_scheduler.<optimizer index>.<class>``, ``grad_scaler``), so every rank, a replacement and a
-    restarted job choose the same ones. Where that would be ambiguous (two top-level schedulers of
-    one class on one optimizer, two GradScalers) nothing is taken and ``ambiguous`` says what.
+    (``lr_scheduler.<optimizer index>.<class>``, ``grad_scaler``, ``averaged_model``), so every rank, a
+    replacement and a restarted job choose the same ones. Where that would be ambiguous (two
+    top-level schedulers of one class on one optimizer, two GradScalers, two averaged models)
+    nothing is taken and ``ambiguous`` says what.
     Strays: optimizers over any of ``params`` that are neither one of ``optimizers`` nor the optimizer
     one wraps; their ``step()`` would change the model outside the step's commit. Objects created
     after this call are not seen.
@@ -151,9 +155,10 @@ def search_loop_state(optimizers: list[CommitOptimizer], registered: Iterable[ob
 
 def _search(optimizer_index: dict[int, int], taken: set[int], trained: set[int]
             ) -> tuple[dict[str, list[Any]], list[str]]:
-    """One pass: every live LR scheduler on one of the optimizers and every GradScaler not in
-    ``taken``, by name; and the class names of unwrapped optimizers over ``trained`` parameters."""
-    schedulers, scalers, strays = [], [], []
+    """One pass: every live LR scheduler on one of the optimizers, every GradScaler and every
+    averaged model not in ``taken``, by name; and the class names of unwrapped optimizers over
+    ``trained`` parameters."""
+    schedulers, scalers, averaged, strays = [], [], [], []
     for obj in gc.get_objects():
         # type(), not isinstance(): the latter reads __class__, which some module-level objects
         # (deprecated torch aliases) answer with a warning.
@@ -162,6 +167,8 @@ def _search(optimizer_index: dict[int, int], taken: set[int], trained: set[int]
             schedulers.append(obj)
         elif issubclass(kind, torch.amp.GradScaler):
             scalers.append(obj)
+        elif issubclass(kind, AveragedModel):
+            averaged.append(obj)
         elif issubclass(kind, torch.optim.Optimizer) and id(obj) not in optimizer_index and any(
                 id(param) in trained for group in obj.param_groups for param in group["params"]):
             strays.append(kind.__name__)
@@ -171,9 +178,10 @@ def _search(optimizer_index: dict[int, int], taken: set[int], trained: set[int]
         if id(scheduler) not in taken and id(scheduler) not in children:
             name = f"lr_scheduler.{optimizer_index[id(scheduler.optimizer)]}.{type(scheduler).__name__}"
             by_name.setdefault(name, []).append(scheduler)
-    free_scalers = [scaler for scaler in scalers if id(scaler) not in taken]
-    if free_scalers:
-        by_name[GRAD_SCALER_NAME] = free_scalers
+    for name, objs in ((GRAD_SCALER_NAME, scalers), (AVERAGED_MODEL_NAME, averaged)):
+        free = [obj for obj in objs if id(obj) not in taken]
+        if free:
+            by_name[name] = free
     return by_name, sorted(strays)
 
 

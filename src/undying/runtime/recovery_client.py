@@ -60,7 +60,9 @@ class RecoveryClient:
         self.rng_mirror = rng_mirror
         self.injections = injections
         self.checkpoints = checkpoints
-        self._joined: tuple[Plan, float] | None = None  # a plan whose group join_early built already
+        # A plan whose group join_early built already, with when the join began, the plan came and the
+        # group was built: a replacement's recovery is timed from its join.
+        self._joined: tuple[Plan, float, float, float] | None = None
         self._t1_error: str | None = None  # why this receiver's T1 snapshot of the step could not be loaded
         self.dying_checkpoint = DyingCheckpoint(spec, membership, state, reporter, rng_mirror, checkpoints)
 
@@ -74,13 +76,17 @@ class RecoveryClient:
             self.reporter.emit(ev.STEP_FAILED, step=self.state.committed_step, reason=reason)
         while True:
             joined, self._joined = self._joined, None
-            plan, planned = joined or self._follow_next_plan(reason, raised)
+            if joined is not None:
+                plan, started, planned, rebuilt = joined
+            else:
+                plan, planned = self._follow_next_plan(reason, raised)
             raised = None  # a later round of this loop is a failed recovery, not the step's exception
             try:
                 if joined is None:
                     self.injections.at_point(RECOVERY, plan.target_step)
                     self.membership.build_group()
-                rebuilt = time.monotonic()
+                    rebuilt = time.monotonic()
+                repairing = time.monotonic()
                 self._repair(plan)
                 self.checkpoints.peer.continued(self.state.committed_step)
                 break
@@ -91,13 +97,15 @@ class RecoveryClient:
         self.reporter.emit(ev.RECOVERED, step=self.state.committed_step, strategy=plan.strategy, pid=os.getpid(),
                            source_rank=plan.source_rank, received=self.membership.rank in plan.receivers,
                            wait_for_plan=round(planned - started, 4), rebuild=round(rebuilt - planned, 4),
-                           repair=round(time.monotonic() - rebuilt, 4), total=round(time.monotonic() - started, 4))
+                           repair=round(time.monotonic() - repairing, 4), total=round(time.monotonic() - started, 4))
 
     def join_early(self) -> None:
         """A replacement rank of a sharded job: join the plan's generation (its groups, torch's default
         group among them) before the script builds its model, since FSDP2 places a model on the mesh
-        through torch's default group. ``recover`` then only repairs. If the groups cannot be built,
-        ``recover`` follows the next plan as usual."""
+        through torch's default group. ``recover`` then only repairs; its ``recovered`` event times the
+        wait for the plan and the rebuild from this join, which come before the script's model is built.
+        If the groups cannot be built, ``recover`` follows the next plan as usual."""
+        started = time.monotonic()
         plan, planned = self._follow_next_plan("joining as a replacement rank")
         try:
             self.injections.at_point(RECOVERY, plan.target_step)
@@ -106,7 +114,7 @@ class RecoveryClient:
             self.reporter.emit(ev.STEP_FAILED, step=self.state.committed_step,
                                reason=f"recovery of generation {plan.generation} failed: {error}")
             return
-        self._joined = (plan, planned)
+        self._joined = (plan, started, planned, time.monotonic())
 
     def _follow_next_plan(self, reason: str, raised: Exception | None = None) -> tuple[Plan, float]:
         """Leave the current group, wait for the controller's next plan and enter its generation (after

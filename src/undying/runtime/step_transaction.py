@@ -15,6 +15,7 @@ import torch
 
 from undying.config import JobSpec
 from undying.protocol import Phase
+from undying.runtime.carried_batches import CarriedBatchError
 from undying.runtime.ddp import FixedLayoutDDP, commit_vote, commit_vote_with_sums
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
@@ -162,8 +163,9 @@ class StepTransaction:
         the controller aborted the generation, told within ABORT_GRACE_S): a user collective that
         fails because a peer died is a symptom of that fault, and the recovery re-runs the step.
         A collective of a sharded model that failed counts as the first kind.
-        Else, with ``retry``, an exception of the step's own (this rank votes no, nobody applies it)."""
-        if error is None or not isinstance(error, Exception) or self.updated:
+        Else, with ``retry``, an exception of the step's own (this rank votes no, nobody applies it).
+        Never a batch carried into the step (runtime/carried_batches.py): every re-run would meet it."""
+        if error is None or not isinstance(error, Exception) or self.updated or isinstance(error, CarriedBatchError):
             return False
         if isinstance(error, CollectiveError):
             # A sharded model's own collectives (FSDP's all-gathers and reduce-scatters over the mesh,

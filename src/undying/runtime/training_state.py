@@ -57,9 +57,13 @@ def restore_hyperparameters(group: dict[str, Any], committed: dict[str, Any]) ->
 def forget_step_in_flight(obj: object) -> None:
     """A GradScaler remembers per optimizer that this step unscaled or stepped it until its
     ``update()``; a step that failed before that must not leave it behind (``unscale_`` would
-    refuse the re-run). Its state_dict does not hold this, so loading one does not clear it."""
+    refuse the re-run). Its state_dict does not hold this, so loading one does not clear it. A
+    disabled GradScaler (``enabled=False``, what fp32 and bf16 scripts build) never makes that
+    memory: it has nothing to forget."""
     if isinstance(obj, torch.amp.GradScaler):
-        obj._per_optimizer_states.clear()
+        per_optimizer = getattr(obj, "_per_optimizer_states", None)
+        if per_optimizer is not None:
+            per_optimizer.clear()
 
 
 class Stateful(Protocol):

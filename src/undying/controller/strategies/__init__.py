@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from undying.controller.machine import JobMachine
 
 __all__ = ["BUILT", "Attempt", "Decision", "Executor", "RecoveryContext", "act_on", "decide", "describe_chain",
-           "effective_chain", "executor_for", "handle_fault", "unbuilt_strategies"]
+           "effective_chain", "executor_for", "handle_fault", "never_started", "unbuilt_strategies"]
 
 ELASTIC_EXECUTOR = Elastic()
 JOB_RESTART_EXECUTOR = JobRestart()
@@ -60,12 +60,25 @@ def unbuilt_strategies(spec: JobSpec) -> list[str]:
     return [name for name in spec.process_level_strategies() if name not in BUILT]
 
 
+def never_started(spec: JobSpec) -> dict[str, str]:
+    """The strategies of the chain that no fault can start under ``spec``, each with why: the banner
+    lists only the others. (A listed ``recover`` without the settings it needs is refused by the
+    spec itself, config/model.py.)"""
+    if spec.max_restarts == 0:  # every strategy but exit spends one of max_restarts (base.within_budget)
+        return {strategy.name: "max_restarts is 0" for strategy in effective_chain(spec) if strategy is not EXIT_EXECUTOR}
+    if spec.fault_scheduling == "off":  # base.rescheduling_off
+        return {JOB_RESTART_EXECUTOR.name: "fault_scheduling is off"}
+    return {}
+
+
 def describe_chain(spec: JobSpec) -> str:
-    """One line for the start banner: what was asked and what will be used."""
-    used = " -> ".join(strategy.name for strategy in effective_chain(spec))
-    missing = unbuilt_strategies(spec)
-    note = f" ({', '.join(missing)}: not built in this version, skipped)" if missing else ""
-    return f"recovery: {used}{note}"
+    """One line for the start banner: the strategies that will be tried, in order, and those left out."""
+    idle = never_started(spec)
+    used = " -> ".join(strategy.name for strategy in effective_chain(spec) if strategy.name not in idle)
+    notes = [f"{', '.join(missing)}: not built in this version, skipped"] if (missing := unbuilt_strategies(spec)) else []
+    for reason in dict.fromkeys(idle.values()):
+        notes.append(f"{', '.join(name for name, why in idle.items() if why == reason)}: never started, {reason}")
+    return f"recovery: {used}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def decide(fault: Fault, context: RecoveryContext) -> Decision:
