@@ -100,7 +100,7 @@ class Runtime:
         self.membership = Membership(env, self.backend, self.device, self.reporter)
         if not self.joining:
             self.membership.build_group()
-        self.state = TrainingState(holds_state=not self.joining)
+        self.state = TrainingState(holds_state=not self.joining, rank=self.rank)
         root = checkpoint_root(self.spec, self.run_dir)
         self.injections = InjectionPoints(decode(env.injections_text), self.reporter, self.rank, self.node,
                                           self.local_rank,
