@@ -132,3 +132,18 @@ def test_a_failed_step_rolls_the_streams_back_and_a_late_closed_micro_batch_chan
     again.load_state_dict(saved)
     with again.drawing_for(1):
         assert torch.equal(torch.rand(3), first)
+
+
+def test_a_slot_without_a_stream_starts_one_from_the_process_rng_and_keeps_it() -> None:
+    """Restored at the shrunk size from a checkpoint written at full size (no streams of other slots):
+    the first micro-batch of slot 1 starts its stream from the process's RNG; then it is kept."""
+    streams = SlotStreams(own_slot=0)
+    streams.set_layout(0, 2, per_slot=True)
+    torch.manual_seed(4)
+    expected = torch.rand(3)
+    torch.manual_seed(4)
+    with streams.drawing_for(1):
+        assert torch.equal(torch.rand(3), expected)
+    assert torch.equal(torch.rand(3), expected)  # the process's own stream did not move
+    streams.mark_commit_boundary()
+    assert sorted(streams.mirrored(capture_rng(), committed=True)) == [0, 1]

@@ -56,13 +56,14 @@ class SlotStreams:
 
     @contextmanager
     def drawing_for(self, slot: int) -> Iterator[None]:
-        """Around one micro-batch of ``slot``: the random numbers drawn meanwhile come from its stream."""
-        stream = self.streams.get(slot) if slot in self.tracked else None
-        if stream is None:
+        """Around one micro-batch of ``slot``: the random numbers drawn meanwhile come from its stream.
+        A slot without one here (restored from a checkpoint of another size) starts it from the
+        process's RNG as it is now."""
+        if slot not in self.tracked:
             yield
             return
         own, version = capture_rng(), self._version
-        restore_rng(stream)
+        restore_rng(self.streams.get(slot, own))
         try:
             yield
         finally:
