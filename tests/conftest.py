@@ -163,9 +163,13 @@ DROPOUT_ARGS = ["--dropout", "0.1"]
 
 @pytest.fixture(scope="session")
 def dropout_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
-    run = run_job(tmp_path_factory.mktemp("dropout-reference"), script_args=DROPOUT_ARGS)
-    assert run.returncode == 0, run.output + run.logs()
-    return run
+    return fault_free_run(tmp_path_factory, "dropout-reference", DROPOUT_ARGS)
+
+
+@pytest.fixture(scope="session")
+def hsdp_dropout_reference(tmp_path_factory: pytest.TempPathFactory) -> JobRun:
+    """HSDP on 2 x 2 with dropout: what an elastic run with dropout is compared with."""
+    return fault_free_run(tmp_path_factory, "hsdp-dropout-reference", ["--mesh", "2x2", *DROPOUT_ARGS])
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ change keeps the global sample order. Which indices come next is planned in data
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -133,6 +134,9 @@ class ResumableLoader:
             worker_init_fn=worker_init_fn,
             generator=self._worker_seeds,
         )
+        # Entered around each micro-batch of step_batches, with its slot: the runtime draws a slot's
+        # random numbers from the stream of the rank whose slot it is (runtime/slot_rng.py).
+        self.slot_draws: Callable[[int], AbstractContextManager[Any]] = lambda slot: nullcontext()
         self._batches: Iterator[Any] | None = None
         self._batches_at: tuple[Cursor, Layout] | None = None  # where the next batch of _batches is from
         self.stream_restarts = 0  # DataLoader iterators started (the first included)
@@ -195,9 +199,11 @@ class ResumableLoader:
 
     def step_batches(self) -> Iterator[Any]:
         """This replica's batches for one step: one batch normally; after an elastic shrink in
-        ``accumulate`` mode, one micro-batch per slot it covers. Backward each of them."""
-        for _ in range(self.micro_batches):
-            yield next(self)
+        ``accumulate`` mode, one micro-batch per slot it covers. Backward each of them. What is drawn
+        from the RNG while a micro-batch is read and used comes from ``slot_draws`` of its slot."""
+        for index in range(self.micro_batches):
+            with self.slot_draws(self.first_slot + index):
+                yield next(self)
 
     def step_incomplete(self) -> bool:
         """True if this step took some but not all of its micro-batches (a loop calling ``next``

@@ -124,10 +124,17 @@ def test_a_job_restart_from_storage_loads_every_rank_its_own_shard(hsdp_referenc
     assert {e.step for e in loads} == {10}
 
 
-def test_a_dump_writes_every_shard_and_the_restart_loads_it(hsdp_reference: JobRun, tmp_path: Path) -> None:
-    """The dying checkpoint of a sharded job: ranks 0-2 write their own shards, rank 1 also writes
-    the killed rank 3's (the same shard, with rank 3's mirrored RNG); the restart reads it from
-    storage (no T1 snapshot of that step, no periodic checkpoint)."""
+def test_a_dump_writes_every_shard_into_one_dcp_checkpoint_and_the_restart_loads_it(hsdp_reference: JobRun,
+                                                                                      tmp_path: Path) -> None:
+    """The dying checkpoint of a sharded job: ranks 0-2 (the holders of the step) write their shards
+    into one DCP checkpoint, as a periodic one is written, and their rank files; rank 1 also writes
+    the killed rank 3's rank file (its mirrored RNG; its shard, rank 1's, is in the DCP files). Plain
+    ``dcp.load`` puts the whole parameters back together from it, and the restart reads it from
+    storage, as the newest state (no T1 snapshot of that step, no periodic checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    from undying.checkpoint import list_committed
+
     run = run_job(tmp_path, ["--set", "process_recover=true", "--recover-strategy", "dump",
                              "--checkpoint-interval", "100", "--set", "checkpoint.snapshot_interval=0",
                              "--inject", "kill:rank=3:step=15"], script_args=MESH)
@@ -137,6 +144,18 @@ def test_a_dump_writes_every_shard_and_the_restart_loads_it(hsdp_reference: JobR
     [restart] = run.kinds(ev.RESTART_BEGIN)
     loads = [e for e in run.kinds(ev.CHECKPOINT_LOAD) if e.time > restart.time]
     assert {(e.details["source"], e.details["dump"], e.step) for e in loads} == {("storage", True, dumped.step)}
+
+    [dump] = [c for c in list_committed(run.run_dir / "checkpoints") if c.step == dumped.step]
+    assert dump.manifest.meta["dump"]
+    names = sorted(record.name for record in dump.manifest.files)
+    assert ".metadata" in names and sum(name.endswith(".distcp") for name in names) > 1, names
+    assert [name for name in names if name.startswith("rank_")] == [f"rank_{rank:05d}.pt" for rank in range(4)]
+    final = torch.load(hsdp_reference.run_dir / FINAL_STATE)
+    model = {name: torch.full_like(tensor, float("nan")) for name, tensor in final.items()}
+    dcp.load({"model": model}, checkpoint_id=str(dump.path))  # no process group, no mesh, no undying
+    assert all(bool(torch.isfinite(tensor).all()) for tensor in model.values())
+    # The weights of step 14 or 15, not the final ones.
+    assert not torch.equal(model["transformer.wte.weight"], final["transformer.wte.weight"])
 
 
 def test_a_restart_on_another_mesh_reshards_the_checkpoint_through_dcp(hsdp_reference: JobRun, tmp_path: Path) -> None:

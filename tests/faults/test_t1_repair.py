@@ -96,41 +96,54 @@ def test_pure_fsdp_without_a_t1_snapshot_of_the_lost_shard_falls_back_to_a_job_r
     assert any("ShardLost" in log and "no step of T1 or of its peer copies" in log for log in logs), run.logs()
 
 
-NODE_LOSS = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
-             "--recover-strategy", "retry,recover-in-place,recover", "--standby", "1"]
+NODE_LOSSES = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
+               "--recover-strategy", "retry,recover-in-place,recover", "--standby", "2"]
 
 
-def test_pure_fsdp_recovers_a_lost_node_from_the_peer_copies_on_the_other_node(fsdp_reference: JobRun,
-                                                                               tmp_path) -> None:
-    """1 x 4 on 2 nodes: node 1 (ranks 2 and 3) is lost with its memory, T1 and all. Node 0's ranks keep
-    copies of node 1's snapshots (checkpoint.peer_copy): a spare takes node 1's place, its ranks
-    receive their shards from those copies, every rank goes back to the newest step that it holds or
-    has a complete copy of (never before the job's anchor: the newest step every rank's copy was
-    confirmed of in a vote), and nothing is read from T2; the survivors keep their processes and the
+def test_pure_fsdp_survives_two_node_losses_onto_two_spares_from_the_peer_copies(fsdp_reference: JobRun,
+                                                                                tmp_path) -> None:
+    """1 x 4 on 2 nodes, two spares: node 1 (ranks 2 and 3) is lost at step 9, node 0 (ranks 0 and 1)
+    at step 21, each with its memory, T1 and all. Each time a spare takes the lost node's place, its
+    ranks receive their shards from the copies the other node keeps of their snapshots
+    (checkpoint.peer_copy), every rank goes back to the newest step that it holds or has a complete
+    copy of (never before the job's anchor: the newest step every rank's copy was confirmed of in a
+    vote), and nothing is read from T2. The second loss needs the copies re-established after the
+    first: ranks 0 and 1 copy to the spare's new processes. Snapshots every 2 steps: at an odd step no
+    copy is under way when the node dies, so the survivors' senders still hold the dead holders'
+    addresses, as when a node dies between two copies. The survivors keep their processes and the
     final parameters are bitwise the fault-free run's."""
-    run = run_job(tmp_path, [*NODE_LOSS, "--inject", "node:node=1:step=15"], script_args=PURE_FSDP)
+    run = run_job(tmp_path, [*NODE_LOSSES, "--set", "checkpoint.snapshot_interval=2",
+                             "--inject", "node:node=1:step=9", "--inject", "node:node=0:step=21"],
+                  script_args=PURE_FSDP)
     assert run.returncode == 0, run.output + run.logs()
     assert run.result["final_step"] == STEPS
     assert run.result["param_sha256"] == fsdp_reference.result["param_sha256"], run.output + run.logs()
     assert not run.kinds(ev.RESTART_BEGIN), "a job restart would read T2"
-    assert run.kinds(ev.DECISION)[-1].details["strategy"] == "recover"
-    first = {e.rank: e.details["pid"] for e in run.kinds(ev.WORKER_READY) if e.generation == 1}
-    recovered = {e.rank: e.details["pid"] for e in run.kinds(ev.RECOVERED)}
-    assert {rank for rank in range(4) if recovered[rank] != first[rank]} == {2, 3}, (first, recovered)
-    # Before the fault, every rank's copy was confirmed by its holder: anchors at the same steps (each
-    # reported at the rank's next commit; the last one before the fault after the recovery).
+    assert not run.kinds(ev.CHECKPOINT_LOAD), "nothing is loaded from T2 (or T1 at a restart)"
+    assert [e.details["strategy"] for e in run.kinds(ev.DECISION)] == ["recover", "recover"]
+    plans = run.kinds(ev.RECOVERY_PLAN)
+    assert [plan.generation for plan in plans] == [2, 3], [plan.details for plan in plans]
+    pids = {(e.generation, e.rank): e.details["pid"] for e in [*run.kinds(ev.WORKER_READY), *run.kinds(ev.RECOVERED)]}
+    # The survivors of each loss kept their processes; the spares' ranks are new ones.
+    assert [pids[2, rank] == pids[1, rank] for rank in range(4)] == [True, True, False, False]
+    assert [pids[3, rank] == pids[2, rank] for rank in range(4)] == [False, False, True, True]
+    # Anchors: each step every rank's copy was confirmed at (reported at the rank's next commit).
     anchored: dict[int, set[int]] = {}
     for event in run.kinds(ev.PEER_COPY):
         anchored.setdefault(event.step, set()).add(event.rank)
-    anchor = max(step for step, ranks in anchored.items() if ranks == {0, 1, 2, 3} and step < 15)
-    # The lost ranks' state came from the copies rank 0 and rank 1 keep of ranks 2 and 3.
-    copies = {e.rank: (e.details["source"], e.details["donor"]) for e in run.kinds(ev.SHARD_RECEIVED)}
-    assert copies == {2: ("peer_copy", 0), 3: ("peer_copy", 1)}
-    rollbacks = run.kinds(ev.T1_ROLLBACK)
-    assert {e.rank for e in rollbacks} == {0, 1, 2, 3}
-    [step] = {e.step for e in rollbacks}
-    assert anchor <= step <= run.kinds(ev.RECOVERY_PLAN)[-1].step, (anchor, step)
-    assert not run.kinds(ev.CHECKPOINT_LOAD), "nothing is loaded from T2 (or T1 at a restart)"
+    previous = 0
+    for plan, lost, holders in zip(plans, ([2, 3], [0, 1]), ({2: 0, 3: 1}, {0: 2, 1: 3}), strict=True):
+        copies = {e.rank: (e.details["source"], e.details["donor"]) for e in run.kinds(ev.SHARD_RECEIVED)
+                  if e.generation == plan.generation}
+        assert copies == {rank: ("peer_copy", holders[rank]) for rank in lost}, copies
+        rollbacks = [e for e in run.kinds(ev.T1_ROLLBACK) if e.generation == plan.generation]
+        assert {e.rank for e in rollbacks} == {0, 1, 2, 3}
+        [step] = {e.step for e in rollbacks}
+        # Copies confirmed by every rank since the previous recovery: the peer copies were made again.
+        anchor = max(anchor for anchor, ranks in anchored.items() if ranks == {0, 1, 2, 3} and previous < anchor
+                     and anchor <= plan.step)
+        assert anchor <= step <= plan.step, (anchor, step, plan.step)
+        previous = step
 
 
 def test_a_job_restart_after_a_lost_node_restores_its_ranks_from_the_peer_copies(fsdp_reference: JobRun,

@@ -1,7 +1,8 @@
 """Peer copies of T1 (runtime/peer_copy.py, checkpoint/peer_slots.py), between two ranks of this process
 over loopback TCP: a committed snapshot reaches its holder's node memory whole and checked; a copy
 whose bytes or secret do not check is never visible; the anchor moves only when every rank's vote
-confirms the same step; a recovery forgets copies of a history given up, even ones still arriving."""
+confirms the same step, and ranks that disagree on the step all start again; a recovery forgets
+copies of a history given up, even ones still arriving."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from undying.checkpoint.peer_slots import PeerSlots
 from undying.checkpoint.snapshot import RankSnapshots
 from undying.runtime.bounded_store import BoundedStore
-from undying.runtime.peer_copy import PeerCopy, holder_of, origin_of
+from undying.runtime.peer_copy import NO_COPY, CopyReport, PeerCopy, holder_of, origin_of
 
 LOOPBACK = ("127.0.0.1", 1)  # the "store" the server's address is chosen towards
 
@@ -59,17 +60,17 @@ def test_a_confirmed_copy_becomes_the_anchor_when_every_rank_confirms_the_same_s
         for rank in range(2):
             snapshots[rank].write(state(float(rank)), step=5, generation=1, world_size=1)
             copies[rank].after_snapshot(5)
-        wait_until(lambda: all(copy.vote_report() == (1.0, 5.0) for copy in copies))
+        wait_until(lambda: all(copy.vote_report() == CopyReport(5, True) for copy in copies))
         # Rank 1 holds rank 0's copy, bit for bit, and the other way round.
         seen: list[torch.Tensor] = []
         copies[1].copies.read(0, 5, lambda copy: seen.append(copy["replica"]["weight"].clone()))
         assert torch.equal(seen[0], torch.zeros(1000))
-        # A vote in which one rank has not confirmed (or confirmed another step) moves no anchor.
-        copies[0].on_vote(1.0, 5.0, 25.0, world_size=2)
-        copies[0].on_vote(2.0, 9.0, 41.0, world_size=2)  # steps 5 and 4: same count, other sum of squares
-        assert copies[0].anchor_step() is None
-        copies[0].on_vote(2.0, 10.0, 50.0, world_size=2)
-        assert copies[0].anchor_step() == 5 and copies[0].vote_report() == (0.0, 0.0)
+        # A vote in which one rank has not confirmed yet moves no anchor and keeps the copy.
+        report = copies[0].vote_report()
+        copies[0].on_vote(report, votes(CopyReport(5, True), CopyReport(5, False)), world_size=2)
+        assert copies[0].anchor_step() is None and copies[0].vote_report() == CopyReport(5, True)
+        copies[0].on_vote(report, votes(CopyReport(5, True), CopyReport(5, True)), world_size=2)
+        assert copies[0].anchor_step() == 5 and copies[0].vote_report() == NO_COPY
         assert [sent.step for sent in copies[0].anchored] == [5]
         # The anchor stays pinned: newer snapshots never overwrite it (three slots: anchor, copy, newest).
         for step in (6, 7, 8):
@@ -77,6 +78,66 @@ def test_a_confirmed_copy_becomes_the_anchor_when_every_rank_confirms_the_same_s
         assert 5 in [info.step for info in snapshots[0].committed()]
     finally:
         for copy in copies:
+            copy.close()
+
+
+def votes(*reports: CopyReport) -> list[float]:
+    """The commit vote's sums of these ranks' reports."""
+    return [sum(values) for values in zip(*(report.values() for report in reports), strict=True)]
+
+
+def test_ranks_that_are_not_copying_the_same_step_all_give_their_copy_up_and_start_again(tmp_path: Path) -> None:
+    """Rank 0's copy of step 5 is confirmed while rank 1's failed (its holder was being replaced) or
+    is of another step: no anchor can ever come of that, so every rank gives its copy up at the vote,
+    and the next snapshot is every rank's copy again; once all confirm it, it is the anchor."""
+    copies, snapshots = make_pair(tmp_path)
+    try:
+        snapshots[0].write(state(0.0), step=5, generation=1, world_size=1)
+        copies[0].after_snapshot(5)
+        wait_until(lambda: copies[0].vote_report() == CopyReport(5, True))
+        for other in (NO_COPY, CopyReport(6, True), CopyReport(4, False)):
+            report = copies[0].vote_report()
+            if report == NO_COPY:
+                snapshots[0].write(state(0.0), step=5, generation=1, world_size=1)
+                copies[0].after_snapshot(5)
+                wait_until(lambda: copies[0].vote_report() == CopyReport(5, True))
+                report = copies[0].vote_report()
+            copies[0].on_vote(report, votes(report, other), world_size=2)
+            assert copies[0].vote_report() == NO_COPY and copies[0].anchor_step() is None, other
+            assert sum(snapshots[0]._pins) == 0  # the dropped copy's snapshot is free again
+        snapshots[0].write(state(0.0), step=6, generation=1, world_size=1)
+        copies[0].after_snapshot(6)
+        wait_until(lambda: copies[0].vote_report() == CopyReport(6, True))
+        copies[0].on_vote(copies[0].vote_report(), votes(CopyReport(6, True), CopyReport(6, True)), world_size=2)
+        assert copies[0].anchor_step() == 6
+    finally:
+        for copy in copies:
+            copy.close()
+
+
+def test_a_recovery_makes_the_sender_ask_the_store_for_its_holders_address(tmp_path: Path) -> None:
+    """The holder (rank 1) is replaced by a new process listening on another port; after the
+    recovery (``reset``) rank 0's next copy goes there at once, not to the old address."""
+    copies, snapshots = make_pair(tmp_path)
+    replacement = None
+    try:
+        snapshots[0].write(state(0.0), step=5, generation=1, world_size=1)
+        copies[0].after_snapshot(5)
+        wait_until(lambda: copies[0].vote_report() == CopyReport(5, True))
+        store = copies[1]._store
+        copies[1].close()
+        replacement = PeerCopy(rank=1, world_size=2, ranks_per_node=1, directory=tmp_path / "spare" / "peer",
+                               token="secret", snapshots=RankSnapshots(tmp_path / "spare", 1, slots=3), store=store,
+                               publish=store.set,
+                               key_prefix="job/", store_address=LOOPBACK, timeout=5.0)
+        copies[0].reset(5, generation=2)
+        snapshots[0].write(state(1.0), step=6, generation=2, world_size=1)
+        copies[0].after_snapshot(6)
+        wait_until(lambda: copies[0].vote_report() != CopyReport(6, False))
+        assert copies[0].vote_report() == CopyReport(6, True), copies[0].failures()
+        assert replacement.copy_steps(1) == [6]
+    finally:
+        for copy in [*copies, *([replacement] if replacement else [])]:
             copy.close()
 
 
@@ -90,7 +151,7 @@ def test_a_copy_under_another_secret_is_refused_and_never_visible(tmp_path: Path
         # Refused after the header: the answer, or the reset of a connection whose rest was never read.
         failure = copies[0].failures()[0]
         assert any(sign in failure for sign in ("refused", "Broken pipe", "reset")), failure
-        assert copies[1].copy_steps(1) == [] and copies[0].vote_report() == (0.0, 0.0)
+        assert copies[1].copy_steps(1) == [] and copies[0].vote_report() == NO_COPY
         # The failed copy is released: the next snapshot is the next candidate.
         snapshots[0].write(state(2.0), step=4, generation=1, world_size=1)
         copies[0].after_snapshot(4)
@@ -183,16 +244,16 @@ def test_a_recovery_keeps_an_anchor_it_continues_after_and_releases_the_copy_und
         for rank in range(2):
             snapshots[rank].write(state(float(rank)), step=5, generation=1, world_size=1)
             copies[rank].after_snapshot(5)
-        wait_until(lambda: copies[0].vote_report() == (1.0, 5.0))
-        copies[0].on_vote(2.0, 10.0, 50.0, world_size=2)
+        wait_until(lambda: copies[0].vote_report() == CopyReport(5, True))
+        copies[0].on_vote(CopyReport(5, True), votes(CopyReport(5, True), CopyReport(5, True)), world_size=2)
         snapshots[0].write(state(6.0), step=6, generation=1, world_size=1)
         copies[0].after_snapshot(6)
         copies[0].reset(6, generation=2)
-        assert copies[0].anchor_step() == 5 and copies[0].vote_report() == (0.0, 0.0)
+        assert copies[0].anchor_step() == 5 and copies[0].vote_report() == NO_COPY
         # The copy of step 6 that was under way ends (its pin goes; the anchor's stays) and its answer
         # is ignored.
         wait_until(lambda: sum(snapshots[0]._pins) == 1)
-        assert copies[0].vote_report() == (0.0, 0.0)
+        assert copies[0].vote_report() == NO_COPY
         copies[0].reset(4, generation=3)
         assert copies[0].anchor_step() is None and snapshots[0]._pins == [0, 0, 0]
     finally:

@@ -62,3 +62,22 @@ def test_an_unreachable_store_is_an_event_sent_by_the_thread_that_waits() -> Non
     assert thread == threading.get_ident()
     mirror.write_rng(6)  # the store is taken for lost until the next plan names one: no second event
     assert len(reporter.events) == 1
+
+
+def test_the_streams_of_other_slots_are_mirrored_under_their_ranks_keys_and_pruned_alike() -> None:
+    """While shrunk, rank 1 covers slots 2 and 3 and not its own: it writes keys 2 and 3, never 1."""
+    server = store_server()
+    client = BoundedStore(lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False), timeout=5.0)
+    mirror = RngMirror(client, "job", rank=1, reporter=Reporter())  # type: ignore[arg-type]
+    torch.manual_seed(2)
+    slot_2 = capture_rng()
+    torch.manual_seed(3)
+    slot_3 = capture_rng()
+    mirror.write_rng(7, {2: slot_2, 3: slot_3})
+    assert not server.check([mirror.key(7)])
+    assert torch.equal(mirror.read(7, 2)["torch"], slot_2["torch"])
+    assert torch.equal(mirror.read(7, 3)["torch"], slot_3["torch"])
+    for step in range(8, 8 + KEEP):
+        mirror.write_rng(step, {2: slot_2, 3: slot_3})
+    assert not server.check([mirror.key(7, 2)]) and not server.check([mirror.key(7, 3)])
+    assert server.check([mirror.key(7 + KEEP, 2), mirror.key(7 + KEEP, 3)])

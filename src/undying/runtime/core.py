@@ -83,7 +83,7 @@ class Runtime:
         self.membership = Membership(env, self.backend, self.device, self.reporter)
         if not self.joining:
             self.membership.build_group()
-        self.state = TrainingState(holds_state=not self.joining)
+        self.state = TrainingState(holds_state=not self.joining, rank=self.rank)
         root = checkpoint_root(self.spec, self.run_dir)
         self.injections = InjectionPoints(decode(env.injections_text), self.reporter, self.rank, self.node,
                                           self.local_rank,
@@ -300,8 +300,12 @@ class Runtime:
         self.checkpoints.close()  # the last checkpoint is committed before the job may end
         self.membership.close()  # torch.distributed's default group, destroyed the ordinary way
         if self.is_main:
+            # replicas: copies of the model that trained to the end (a sharded job's: the mesh's rows
+            # left, each of several ranks); ranks: the processes that did.
+            mesh = self.membership.mesh
             payload = {"final_step": self.state.committed_step, "world_size": self.world_size,
-                       "replicas": self.replicas, "generation": self.generation, **(result or {})}
+                       "replicas": self.replicas if mesh is None else mesh.replicas, "ranks": len(self.members),
+                       "generation": self.generation, **(result or {})}
             path = self.run_dir / RESULT_FILE
             tmp = path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))

@@ -3,11 +3,13 @@
 Runs in the worker; the recovery client (runtime/recovery_client.py) calls ``write`` when a plan's
 action is ``dump``. Data parallel: the plan's source writes the replica (the shared shard) and every
 rank's file, each rank's RNG taken from the mirror. Sharded (``ft.device_mesh``): a rank holds only
-its own shard, so each holder of the target step writes its own rank file (shard, RNG, user state),
-and a rank without the state gets its file from the first holder of its shard in another replica
-(that holder's shard, the lost rank's mirrored RNG). The source writes the shared shard, collects
-every writer's file records through the job's store and commits, as a periodic checkpoint's rank 0
-does (checkpoint/persister.py).
+its own shard, so every holder of the target step writes its shards into one DCP checkpoint, as a
+periodic sharded checkpoint is written (checkpoint/dcp_sharded.py: each replicated chunk once; plain
+``dcp.load`` reads it), and its own rank file (RNG, user state); a rank without the state gets its
+rank file from the first holder of its shard in another replica (the lost rank's mirrored RNG):
+its shard is in the DCP checkpoint already, written by that holder or another. The source writes
+the ``undying`` entry (data position, user state), collects every writer's file records through the
+job's store and commits, as a periodic checkpoint's rank 0 does (checkpoint/persister.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from undying import events as ev
 from undying.checkpoint import FileRecord, commit, save_object, staging_dir
-from undying.checkpoint.dcp_format import write_shared_shard
-from undying.checkpoint.dcp_sharded import Exchange
+from undying.checkpoint.dcp_format import UNDYING_KEY, to_dcp, write_shared_shard
+from undying.checkpoint.dcp_sharded import Exchange, save_sharded
 from undying.checkpoint.manifest import NUMERICS_KEY
 from undying.config import JobSpec
 from undying.protocol import Plan
@@ -76,23 +78,35 @@ class DyingCheckpoint:
     def write(self, plan: Plan) -> None:
         membership, rank = self.membership, self.membership.rank
         members = plan.members or list(range(membership.world_size))
-        if membership.mesh is not None:
+        sharded = membership.mesh is not None
+        if sharded:
             self.state.forget_failed_step()  # a step that failed mid-way may leave parameters unsharded
         files = dump_files(plan, rank, members, membership.mesh)
-        if not files and rank != plan.source_rank:
+        writes_shards = sharded and rank in plan.holders
+        if not files and rank != plan.source_rank and not writes_shards:
             return
         started = time.time()
         step = plan.target_step
         root = self.checkpoints.root
         staging = staging_dir(root, step, plan.generation)
         records: list[FileRecord] = []
-        if rank == plan.source_rank:
-            records += write_shared_shard(staging, {**self.state.replica_state(), "committed_step": step},
-                                          self.checkpoints.param_names())
+        replica = {**self.state.replica_state(), "committed_step": step}
+        # The holders (the source first, so it coordinates) exchange DCP plans and file records.
+        exchange = Exchange(self.membership.store, f"{self.membership.store_prefix}/dump/g{plan.generation}",
+                            rank, sorted(set(plan.holders)), RECORDS_TIMEOUT_S, lambda: True)
+        if writes_shards:
+            extras = to_dcp(replica, [])[UNDYING_KEY] if rank == plan.source_rank else None
+            state_dict = self.checkpoints.dcp_layout().state_dict(self.state.shard_state(), extras)
+            records += save_sharded(staging, state_dict, exchange)
+        elif rank == plan.source_rank:
+            records += write_shared_shard(staging, replica, self.checkpoints.param_names())
         for file_rank, whose in files.items():
             records.append(save_object(staging, rank_state_file(file_rank), self._rank_file_state(plan, file_rank, whose)))
-        if membership.mesh is not None:
-            records = self._gather_records(plan, records)
+        if sharded:
+            gathered = exchange.gather("records", records)
+            if gathered is None:
+                return
+            records = [record for writer in gathered for record in writer]
         if rank != plan.source_rank:
             return
         committed = commit(root, staging, step=step, generation=plan.generation, world_size=len(members),
@@ -101,21 +115,11 @@ class DyingCheckpoint:
                            keep=self.spec.checkpoint.keep)
         self.reporter.emit(ev.DUMP_COMMITTED, step=step, path=str(committed.path),
                            seconds=round(time.time() - started, 4), bytes=sum(r.size for r in records),
-                           writers=sorted(set(plan.holders)) if membership.mesh is not None else [rank])
+                           writers=sorted(set(plan.holders)) if sharded else [rank])
 
     def _rank_file_state(self, plan: Plan, file_rank: int, whose: str) -> dict[str, Any]:
+        """A rank file: this rank's own (RNG, user state), or a lost rank's RNG from the mirror. A
+        sharded job's shards are in the DCP checkpoint, not here."""
         if whose == OWN:
-            return self.state.rank_state()
-        state: dict[str, Any] = {"rng": self.rng_mirror.read(plan.target_step, file_rank, plan.rng_stores),
-                                 "statefuls": {}}
-        if self.membership.mesh is not None:
-            state["shards"] = self.state.shard_state()  # the same shard: this rank is its replica peer
-        return state
-
-    def _gather_records(self, plan: Plan, records: list[FileRecord]) -> list[FileRecord]:
-        """Every writer publishes its file records in the job's store; the source (the first holder)
-        returns them all."""
-        exchange = Exchange(self.membership.store, f"{self.membership.store_prefix}/dump/g{plan.generation}",
-                            self.membership.rank, sorted(set(plan.holders)), RECORDS_TIMEOUT_S, lambda: True)
-        gathered = exchange.gather("records", records)
-        return records if gathered is None else [record for writer in gathered for record in writer]
+            return {key: value for key, value in self.state.rank_state().items() if key != "shards"}
+        return {"rng": self.rng_mirror.read(plan.target_step, file_rank, plan.rng_stores), "statefuls": {}}

@@ -16,7 +16,7 @@ from undying import events as ev
 from undying.checkpoint.snapshot import RankSnapshots
 from undying.config import JobSpec
 from undying.runtime.membership import Membership
-from undying.runtime.peer_copy import PeerCopy, origin_of
+from undying.runtime.peer_copy import NO_COPY, CopyReport, PeerCopy, origin_of
 from undying.runtime.reporter import Reporter
 from undying.runtime.state_transfer import recv_state, send_state
 from undying.runtime.training_state import TrainingState
@@ -42,6 +42,7 @@ class PeerCopies:
         self._copy: PeerCopy | None = None
         self._start_failed = False
         self._failing = False  # a failure was reported and no copy succeeded since
+        self._reported: CopyReport = NO_COPY  # this rank's part of the vote in flight
 
     @property
     def enabled(self) -> bool:
@@ -84,14 +85,14 @@ class PeerCopies:
         if self.copy is not None:
             self.copy.after_snapshot(step)
 
-    def vote_report(self) -> tuple[float, float, float]:
-        """This rank's part of the commit vote: (confirmed, step, step squared)."""
-        confirmed, step = self._copy.vote_report() if self._copy is not None else (0.0, 0.0)
-        return confirmed, step, step * step
+    def vote_report(self) -> tuple[float, float, float, float]:
+        """This rank's part of the commit vote: (copying, confirmed, step, step squared)."""
+        self._reported = self._copy.vote_report() if self._copy is not None else NO_COPY
+        return self._reported.values()
 
     def vote_result(self, sums: list[float], world_size: int) -> None:
         if self._copy is not None:
-            self._copy.on_vote(sums[0], sums[1], sums[2], world_size)
+            self._copy.on_vote(self._reported, sums, world_size)
 
     def report(self, step: int) -> None:
         """Emit what the threads did since the last call: copies that became the anchor, failures."""

@@ -2,9 +2,9 @@
 job (no replica of any shard) that loses a node recovers its shards from memory, not from storage.
 
 Runs in the worker, on three threads. The training thread hands a committed snapshot to the
-sender (``after_snapshot``), reports in each commit vote whether the holder has confirmed it
-(``vote_report``) and learns from the vote's sums whether every rank's copy is complete
-(``on_vote``); the sender thread streams the snapshot's bytes to its holder; the server thread
+sender (``after_snapshot``), reports in each commit vote which step it is copying and whether the
+holder has confirmed it (``vote_report``) and learns from the vote's sums whether every rank's copy
+is complete (``on_vote``); the sender thread streams the snapshot's bytes to its holder; the server thread
 receives the copy of the rank whose holder this rank is, into its node's shared memory
 (checkpoint/peer_slots.py). The holder of rank r is the rank with the same local rank on the next
 node, ``(r + ranks per node) mod world size``; it publishes its address in the job's store.
@@ -16,6 +16,10 @@ Guarantees:
   step only at a commit vote in which every rank reports its copy of that step confirmed (the
   vote's sums of the step and its square say all reported the same step). A recovery therefore
   always finds one step that every rank either holds itself or has a copy of on another node.
+- Copies start again after any failure: a vote in which the ranks are not all copying the same
+  step (a copy failed, a snapshot was skipped) makes every rank give its copy up, so all of them
+  copy the next snapshot, the same step; a recovery makes the sender read its holder's address
+  from the store again (a replacement or a spare listens on a new one).
 - A copy travels with an HMAC of its header, then the CRC-32 of its data and an HMAC of header,
   meta block and CRC, under the job's secret; the holder takes node memory for it only once the
   header's HMAC checks, commits it only if the rest checks (a torn or foreign transfer is never
@@ -67,6 +71,24 @@ def holder_of(rank: int, world_size: int, ranks_per_node: int) -> int:
 def origin_of(holder: int, world_size: int, ranks_per_node: int) -> int:
     """The rank whose copy ``holder`` keeps."""
     return (holder - ranks_per_node) % world_size
+
+
+@dataclass(frozen=True)
+class CopyReport:
+    """What one rank says of its copy in a commit vote: the step of the snapshot it is copying (None:
+    none) and whether its holder confirmed that copy."""
+
+    step: int | None
+    confirmed: bool = False
+
+    def values(self) -> tuple[float, float, float, float]:
+        """As the vote sums it: (copying, confirmed, step, step squared)."""
+        if self.step is None:
+            return 0.0, 0.0, 0.0, 0.0
+        return 1.0, float(self.confirmed), float(self.step), float(self.step) * self.step
+
+
+NO_COPY = CopyReport(None)
 
 
 @dataclass(frozen=True)
@@ -129,27 +151,36 @@ class PeerCopy:
             self._candidate, self._confirmed = (step, slot), None
             self._jobs.put((self._epoch, step, slot))
 
-    def vote_report(self) -> tuple[float, float]:
-        """(1, step) when the holder confirmed this rank's copy of the candidate ``step``, else (0, 0)."""
+    def vote_report(self) -> CopyReport:
+        """The step this rank is copying to its holder, and whether the holder confirmed it."""
         with self._lock:
-            if self._candidate is None or self._confirmed is None:
-                return 0.0, 0.0
-            return 1.0, float(self._candidate[0])
+            if self._candidate is None:
+                return NO_COPY
+            return CopyReport(self._candidate[0], self._confirmed is not None)
 
-    def on_vote(self, confirmed: float, step_sum: float, square_sum: float, world_size: int) -> None:
-        """The vote's sums of every rank's ``vote_report`` (and of the step squared): when every rank
-        confirmed the same step, that step becomes the anchor and the previous anchor is released."""
-        reported, step = self.vote_report()
-        if not reported or confirmed != world_size or step_sum != world_size * step \
-                or square_sum != world_size * step * step:
-            return
-        with self._lock:
-            previous, self._anchor, self._candidate = self._anchor, self._candidate, None
-            sent, self._confirmed = self._confirmed, None
-        if previous is not None:
-            self._snapshots.unpin(previous[1])
-        if sent is not None:
-            self.anchored.append(sent)
+    def on_vote(self, report: CopyReport, sums: list[float], world_size: int) -> None:
+        """The vote's sums of every rank's ``report`` (``CopyReport.values``). Every rank copying the
+        same step and every copy confirmed: that step becomes the anchor and the previous anchor is
+        released. The ranks not all copying the same step (a copy failed, a snapshot was skipped):
+        every rank gives its copy up, so that all copy the next snapshot, the same step, again.
+        Otherwise (the copies still under way) nothing changes. The same on every rank."""
+        copying, confirmed, step_sum, square_sum = sums
+        step = report.step
+        same = (step is not None and copying == world_size and step_sum == world_size * step
+                and square_sum == world_size * step * step)
+        if same and confirmed == world_size:
+            with self._lock:
+                previous, self._anchor, self._candidate = self._anchor, self._candidate, None
+                sent, self._confirmed = self._confirmed, None
+            if previous is not None:
+                self._snapshots.unpin(previous[1])
+            if sent is not None:
+                self.anchored.append(sent)
+        elif not same:
+            with self._lock:  # an answer still on its way no longer matches the candidate: ignored
+                dropped, self._candidate, self._confirmed = self._candidate, None, None
+            if dropped is not None:
+                self._snapshots.unpin(dropped[1])
 
     def failures(self) -> list[str]:
         with self._lock:
@@ -176,6 +207,7 @@ class PeerCopy:
                 pinned.append(self._anchor)
                 self._anchor = None
             self._candidate = self._confirmed = None
+            self._address = None  # the holder may be a new process (a replacement, a spare's): ask the store
         for _, slot in pinned:
             self._snapshots.unpin(slot)
         self.copies.drop_after(continued_step, generation)

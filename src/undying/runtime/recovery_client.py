@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from undying import events as ev
 from undying.config import JobSpec
@@ -180,16 +180,24 @@ class RecoveryClient:
                                **({"t1_error": self._t1_error} if self._t1_error else {}))
         if state.sharded:
             self._repair_shards(plan, from_peer)
-        rng: dict[str, Any] | None = None  # a receiver from T1 restored the snapshot's RNG with it
+        # A receiver from T1 restored the snapshot's RNG with it; one from a peer takes its RNG from the
+        # mirror (below), where its predecessor wrote it.
         if membership.rank in from_peer:
-            rng = self.rng_mirror.read(plan.target_step, fallbacks=plan.rng_stores)
+            state.slot_rng.forget()
         elif membership.rank not in from_t1:
-            rng = state.roll_back_step_in_flight()
+            restore_rng(state.roll_back_step_in_flight())
         if membership.rank in plan.receivers:
             state.holds_state = True
-        if rng:
-            restore_rng(rng)
+        self._take_slot_streams(plan)
         self._committed(plan.target_step)
+
+    def _take_slot_streams(self, plan: Plan) -> None:
+        """The RNG streams this rank draws from but does not hold as of the plan's step, from the mirror
+        (runtime/slot_rng.py): a receiver's own; after an elastic shrink or grow, the stream of each slot
+        it covers for another rank, or of its own slot, covered again, where their last holder wrote them."""
+        streams = self.state.slot_rng
+        for slot in streams.missing():
+            streams.take(slot, self.rng_mirror.read(plan.target_step, slot, plan.rng_stores) or None)
 
     def _committed(self, step: int) -> None:
         self.state.committed_step = step

@@ -1,7 +1,9 @@
 """The per-step RNG mirror: where a replacement finds the exact RNG state of the rank it replaces.
 
 Runs in the worker. At every commit boundary (and just before each vote) a rank writes
-its encoded RNG state for that step to the job's store, keeping the last few steps. The vote's
+its encoded RNG state for that step to the job's store, keeping the last few steps; while an
+elastic job is shrunk, also the streams of the batch slots it covers for other ranks, each under
+that rank's key (runtime/slot_rng.py), and its own only while it covers its own slot. The vote's
 write runs on the mirror's own thread while the gradients are synced and the vote counted
 (``start_write_rng``), and the step is applied only once it is done (``wait``): the store's round
 trip overlaps the all-reduce instead of adding to every step. The
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -49,10 +51,10 @@ class RngMirror:
         self.rank = rank
         self.reporter = reporter
         self.backup_address = backup_address
-        self._last: tuple[int, bytes] = (-1, b"")  # (step, encoded RNG) last written
+        self._last: tuple[int, dict[int, bytes]] = (-1, {})  # (step, encoded RNG by rank) last written
         self._store_lost = False
         self._backup: tuple[str, BoundedStore | None] = ("", None)  # (address, client; None once it failed)
-        self._writes: queue.SimpleQueue[tuple[int, bytes, threading.Event]] = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue[tuple[int, dict[int, bytes], threading.Event]] = queue.SimpleQueue()
         self._written: threading.Event | None = None  # the write in flight on the mirror's thread
         self._writer: threading.Thread | None = None
         # rng_not_mirrored events of the mirror's thread, sent by the training thread (``wait``): the
@@ -67,17 +69,19 @@ class RngMirror:
         self.wait()
         self.store = store
         self._store_lost = False
-        self._last = (-1, b"")
+        self._last = (-1, {})
 
-    def write_rng(self, step: int, state: dict[str, Any] | None = None) -> None:
-        """Mirror ``state`` (by default this process's RNG state now) as the state of ``step``."""
-        self.start_write_rng(step, state)
+    def write_rng(self, step: int, states: Mapping[int, dict[str, Any]] | None = None) -> None:
+        """Mirror ``states`` (rank whose key -> RNG state; by default this rank's RNG state now) as the
+        states of ``step``."""
+        self.start_write_rng(step, states)
         self.wait()
 
-    def start_write_rng(self, step: int, state: dict[str, Any] | None = None) -> None:
-        """Like ``write_rng``, but the write runs on the mirror's thread: the state is captured now,
-        and ``wait`` returns once it is in the store (or found unreachable)."""
-        data = rng_to_bytes(state if state is not None else capture_rng())
+    def start_write_rng(self, step: int, states: Mapping[int, dict[str, Any]] | None = None) -> None:
+        """Like ``write_rng``, but the write runs on the mirror's thread: the states are captured now,
+        and ``wait`` returns once they are in the store (or found unreachable)."""
+        states = states if states is not None else {self.rank: capture_rng()}
+        data = {rank: rng_to_bytes(state) for rank, state in states.items()}
         self.wait()  # after it, _last and _store_lost are the writer thread's final word
         if self._last == (step, data) or self._store_lost:
             return  # nothing to write (the commit boundary's state is usually the vote's): no trip to the thread
@@ -105,11 +109,12 @@ class RngMirror:
             finally:
                 written.set()
 
-    def write(self, step: int, data: bytes) -> None:
+    def write(self, step: int, data: dict[int, bytes]) -> None:
         if self._last == (step, data) or self._store_lost:
             return  # already mirrored; or the store is gone until the next plan names a new one
-        stale = self.key(step - KEEP) if self._last[0] != step and step - KEEP >= 0 else None
-        if not _put(self.store, self.key(step), data, stale):
+        entries = {self.key(step, rank): value for rank, value in data.items()}
+        stale = [self.key(step - KEEP, rank) for rank in data] if self._last[0] != step and step - KEEP >= 0 else []
+        if not _put(self.store, entries, stale):
             # The store went with its controller's node (failover): the step itself stands; the
             # next plan names the new store.
             self._store_lost = True
@@ -119,7 +124,7 @@ class RngMirror:
         if address != self._backup[0]:
             self._backup = (address, bounded(address, BACKUP_TIMEOUT_S) if address else None)
         backup = self._backup[1]
-        if backup is not None and not _put(backup, self.key(step), data, stale):
+        if backup is not None and not _put(backup, entries, stale):
             self._events.append({"step": step, "key": self.key(step),
                                  "reason": f"backup store {address} unreachable"})
             self._backup = (address, None)
@@ -138,15 +143,16 @@ class RngMirror:
         return {}
 
 
-def _put(store: BoundedStore | dist.Store, key: str, data: bytes, stale: str | None) -> bool:
+def _put(store: BoundedStore | dist.Store, entries: dict[str, bytes], stale: list[str]) -> bool:
     def put(client: BoundedStore | dist.Store) -> None:
-        client.set(key, data)  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
-        if stale is not None:
-            client.delete_key(stale)
+        for key, data in entries.items():
+            client.set(key, data)  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
+        for key in stale:
+            client.delete_key(key)
 
     try:
         if isinstance(store, BoundedStore):
-            store.run(put)  # both calls in one trip to the store client's thread
+            store.run(put)  # every call in one trip to the store client's thread
         else:
             put(store)
     except (RuntimeError, OSError):

@@ -105,7 +105,7 @@ class CheckpointEngine:
         self.root = root
         self._persister: Persister | None = None
         self._param_names: list[list[str]] | None = None
-        self._sharded_layout: DcpLayout | None = None  # a sharded job's T2 layout (``_dcp_layout``)
+        self._sharded_layout: DcpLayout | None = None  # a sharded job's T2 layout (``dcp_layout``)
         self._stalls: dict[int, float] = {}  # checkpoint step -> its snapshot's seconds, until reported
         self._waited: dict[int, float] = {}  # step -> seconds its save waited for the previous one
         self._copying: int | None = None  # the step of an overlapped snapshot whose copy may still run
@@ -275,10 +275,10 @@ class CheckpointEngine:
                 records_timeout=self._records_timeout,
                 current_generation=lambda: membership.generation,
                 commit_meta={"node": membership.node, NUMERICS_KEY: self.numerics},
-                sharded_state=self._dcp_layout().state_dict if self.state.sharded else None)
+                sharded_state=self.dcp_layout().state_dict if self.state.sharded else None)
         return self._persister
 
-    def _dcp_layout(self) -> DcpLayout:
+    def dcp_layout(self) -> DcpLayout:
         """A sharded job's DCP keys and placements, taken once from the live models."""
         if self._sharded_layout is None:
             self._sharded_layout = DcpLayout([model.module for model in self.state.models],
@@ -396,7 +396,7 @@ class CheckpointEngine:
                 rank_state = load_object(checkpoint, rank_state_file(membership.rank))
                 training.load_rank_state(rank_state)
             if training.sharded and "shards" not in rank_state:
-                self._dcp_layout().load(checkpoint)  # this rank's part of every shard, whatever mesh wrote it
+                self.dcp_layout().load(checkpoint)  # this rank's part of every shard, whatever mesh wrote it
             self.snapshots.invalidate()
             details = {"path": str(checkpoint.path), "dump": bool(checkpoint.manifest.meta.get("dump"))}
         else:

@@ -98,7 +98,7 @@ class StepTransaction:
         if vote_ok:
             # The RNG state a replay of the next step starts from, mirrored before the step is applied;
             # the store's round trip runs beside the gradient sync and the vote.
-            self.rng_mirror.start_write_rng(self.state.committed_step + 1)
+            self.rng_mirror.start_write_rng(self.state.committed_step + 1, self.state.rng_to_mirror())
         try:
             # Averaged during backward as a rule; here only what a backward did not (no backward,
             # a rank voting no): every rank issues the same collectives in the same order.

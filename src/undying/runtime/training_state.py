@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from undying.data import ResumableLoader, replica_slots
+from undying.data import ACCUMULATE, ResumableLoader, replica_slots
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.optim import CommitOptimizer, search_loop_state
 from undying.runtime.rng import capture_rng, restore_rng
@@ -23,6 +23,7 @@ from undying.runtime.sharded import (
     local_optimizer_state,
     local_tensors,
 )
+from undying.runtime.slot_rng import RngState, SlotStreams
 
 if TYPE_CHECKING:
     from undying.runtime.membership import Membership
@@ -87,7 +88,7 @@ class TrainingState:
     leaves this process (``replica_state``, ``rank_state``) is that copy, never the step in flight.
     """
 
-    def __init__(self, holds_state: bool) -> None:
+    def __init__(self, holds_state: bool, rank: int = 0) -> None:
         self.models: list[FixedLayoutDDP | ShardedModel] = []
         self.optimizers: list[CommitOptimizer] = []
         self.loaders: list[ResumableLoader] = []
@@ -99,6 +100,8 @@ class TrainingState:
         # which are then part of its rank state, not of the replica state.
         self.sharded = False
         self.commit_rng: dict[str, Any] = {}
+        # While an elastic job is shrunk: the RNG streams of the batch slots this rank covers for others.
+        self.slot_rng = SlotStreams(rank)
         self.commit_loaders: list[dict[str, Any]] = []
         # Empty until the first boundary: before it, the objects' own states are the committed ones.
         self.commit_statefuls: dict[str, Any] = {}
@@ -129,9 +132,10 @@ class TrainingState:
 
     # ------------------------------------------------------------- commit boundary and rollback
 
-    def mark_commit_boundary(self) -> dict[str, Any]:
+    def mark_commit_boundary(self) -> dict[int, RngState]:
         """Remember what the committed step holds beyond the model and optimizer state: RNG, loader
-        positions, registered objects, optimizer hyperparameters. Returns the RNG state (to mirror).
+        positions, registered objects, optimizer hyperparameters. Returns the RNG states to mirror, by
+        the slot whose stream each is (``rng_to_mirror``).
 
         Cost per step: a copy of each registered state_dict. A scheduler's, GradScaler's or
         counter's is a few numbers (measured: ~20 us for all three, on top of ~45 us for the RNG);
@@ -141,15 +145,22 @@ class TrainingState:
         for model in self.models:
             if isinstance(model, FixedLayoutDDP):
                 model.mark_commit_boundary()  # its buffers (runtime/ddp_buffers.py)
+        self.slot_rng.mark_commit_boundary()
         self.commit_loaders = [loader.state_dict() for loader in self.loaders]
         self.commit_statefuls = {name: copy_state(obj.state_dict()) for name, obj in self.statefuls.items()}
         self.commit_hyperparameters = [[copy_state(hyperparameters(group)) for group in optimizer.param_groups]
                                        for optimizer in self.optimizers]
-        return self.commit_rng
+        return self.slot_rng.mirrored(self.commit_rng, committed=True)
+
+    def rng_to_mirror(self) -> dict[int, RngState]:
+        """The RNG states a replay of the next step starts from, by slot: this rank's own (unless another
+        rank covers its slot) and, while shrunk, the streams of the slots it covers for others."""
+        return self.slot_rng.mirrored(capture_rng(), committed=False)
 
     def roll_back_step_in_flight(self) -> dict[str, Any]:
-        """Put the loaders, registered objects and optimizer hyperparameters back as they were at the
-        committed step; returns the RNG state to restore with them."""
+        """Put the loaders, registered objects, optimizer hyperparameters and slot streams back as they
+        were at the committed step; returns the RNG state to restore with them."""
+        self.slot_rng.roll_back()
         for loader, state in zip(self.loaders, self.commit_loaders, strict=True):
             loader.load_state_dict(state)
         # strict=False: an optimizer or param group added since the boundary has nothing to go back to.
@@ -194,7 +205,8 @@ class TrainingState:
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's own part of a snapshot, as of the last commit boundary."""
-        state = {"rng": self.commit_rng or capture_rng(), "statefuls": self._stateful_states()}
+        state = {"rng": self.commit_rng or capture_rng(), "statefuls": self._stateful_states(),
+                 "slot_rng": self.slot_rng.state_dict()}
         if self.sharded:
             state["shards"] = self.shard_state()
         return state
@@ -202,6 +214,8 @@ class TrainingState:
     def load_rank_state(self, state: dict[str, Any]) -> None:
         if state.get("rng"):
             restore_rng(state["rng"])
+        if "slot_rng" in state:
+            self.slot_rng.load_state_dict(state["slot_rng"])
         self._load_stateful_states(state.get("statefuls", {}))
         if self.sharded and "shards" in state:  # a T1 snapshot's; a T2 checkpoint keeps them in DCP files
             self.load_shard_state(state["shards"])
@@ -251,8 +265,10 @@ class TrainingState:
         whole job's global batch is kept when there are fewer replicas (elastic training)."""
         slots, replicas, group_rank = membership.world_size, membership.replicas, membership.group_rank
         shrunk = replicas < slots
-        _, slot_count = replica_slots(group_rank, replicas, slots)
+        first_slot, slot_count = replica_slots(group_rank, replicas, slots)
+        self.slot_rng.set_layout(first_slot, slot_count, per_slot=shrunk and elastic_batch == ACCUMULATE)
         for loader in self.loaders:
+            loader.slot_draws = self.slot_rng.drawing_for
             if shrunk:
                 loader.set_replicas(group_rank, replicas, elastic_batch)
             else:
