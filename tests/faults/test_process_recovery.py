@@ -151,6 +151,9 @@ def test_watchdog_off_leaves_a_hang_alone(tmp_path: Path) -> None:
         events = read_events(tmp_path)
         assert not any(e.kind == ev.FAULT_DETECTED for e in events), "watchdog off must not act on a hang"
         assert process.poll() is None, "the job hangs, as documented for watchdog: off"
+        # A graceful stop waits for a step boundary the hung rank never reaches: a second signal stops at once.
+        os.kill(process.pid, signal.SIGTERM)
+        time.sleep(1)
         os.kill(process.pid, signal.SIGTERM)
         process.communicate(timeout=60)
         assert process.returncode == 130
