@@ -7,13 +7,18 @@ object alone, as each engine's code does at the versions the CRD schemas come fr
   ``backoffLimitPerIndex``/``maxFailedIndexes`` or ``backoffLimit``; then the JobSet's
   ``failurePolicy`` rules by the Job's failure reason and message (``pkg/controllers/failure_policy.go``:
   first matching rule, ``RestartJobSet`` when none matches, ``maxRestarts`` counting restarts
-  that are not ``...AndIgnoreMaxRestarts``);
+  that are not ``...AndIgnoreMaxRestarts``); the Job's ``successPolicy`` (or every index done)
+  completes it;
 - training-operator v1.9.0's PyTorchJob: per replica type, ``ExitCode`` recreates a pod that exited
   with 128 or more and fails the job below (``pkg/util/train/train_util.go``), ``Never`` fails it,
-  ``OnFailure``/``Always`` restart the container;
+  ``OnFailure``/``Always`` restart the container; the Master's success completes the job;
 - Volcano v1.15.1: task then job ``policies``, the first whose event or exit code matches
   (``applyPolicies``), ``RestartPod``/``RestartJob`` counted in ``retryCount``, which fails the job
-  when it reaches ``maxRetry`` (default 3).
+  when it reaches ``maxRetry`` (default 3); a task whose every pod succeeded raises the event
+  TaskCompleted (``CompleteJob`` completes the job), as does every pod done.
+
+``complete``: the job has ended well; the engine then stops the pods still running, whose ends
+change nothing.
 
 Nothing of ``undying.k8s`` is imported: a rendered policy that does something else than
 docs/kubernetes.md's table says fails the tests that compare the two.
@@ -48,6 +53,8 @@ class PodEnd:
 
 
 class Engine(Protocol):
+    complete: bool
+
     def pod_ended(self, end: PodEnd) -> Action: ...
 
 
@@ -72,6 +79,7 @@ class JobSetEngine:
         [container] = pod_spec["containers"]
         self.container = container["name"]
         self.restarts_counted = 0
+        self.complete = False
         self._new_run()
 
     def _new_run(self) -> None:
@@ -79,9 +87,16 @@ class JobSetEngine:
         self.index_failures: dict[int, int] = {}
         self.failures = 0
         self.failed_indexes = 0
+        self.succeeded: set[int] = set()
 
     def pod_ended(self, end: PodEnd) -> Action:
+        if self.complete:
+            return Action.DONE
         if end.exit_code == 0:
+            self.succeeded.add(end.index)
+            self.complete = self.succeeded >= set(range(self.job["completions"])) or any(
+                set(_indexes(rule["succeededIndexes"])) <= self.succeeded
+                for rule in self.job.get("successPolicy", {}).get("rules", []))
             return Action.DONE
         action, message = self._pod_failure_policy(end)
         if action == "Ignore":
@@ -146,15 +161,28 @@ class JobSetEngine:
         return Action.RESTART_JOB
 
 
+def _indexes(text: str) -> list[int]:
+    """A Job's index list ("0", "1,3-5")."""
+    indexes: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        indexes += range(int(first), int(last or first) + 1)
+    return indexes
+
+
 class PyTorchJobEngine:
     """Master is pod 0, Worker i pod i + 1."""
 
     def __init__(self, job: dict[str, Any]) -> None:
         self.replicas = job["spec"]["pytorchReplicaSpecs"]
         assert self.replicas["Master"]["replicas"] == 1
+        self.complete = False
 
     def pod_ended(self, end: PodEnd) -> Action:
+        if self.complete:
+            return Action.DONE
         if end.exit_code == 0:
+            self.complete = end.index == 0
             return Action.DONE
         policy = self.replicas["Master" if end.index == 0 else "Worker"].get("restartPolicy", "Never")
         if policy == "ExitCode":
@@ -165,32 +193,45 @@ class PyTorchJobEngine:
 
 
 class VolcanoEngine:
-    """One task; a failed pod is the event PodFailed with its container's exit code."""
+    """The tasks' pods in order (pod i is the task's index i less the pods of the tasks before it);
+    a failed pod is the event PodFailed with its container's exit code, a succeeded one completes its
+    task once every pod of the task succeeded (TaskCompleted)."""
 
     def __init__(self, job: dict[str, Any]) -> None:
         self.spec = job["spec"]
-        [self.task] = self.spec["tasks"]
+        self.task_of_pod = [task for task in self.spec["tasks"] for _ in range(task["replicas"])]
         self.retry_count = 0
+        self.complete = False
+        self.succeeded: set[int] = set()
 
     def pod_ended(self, end: PodEnd) -> Action:
-        if end.exit_code == 0:
+        if self.complete:
             return Action.DONE
-        action = self._policy_action(end.exit_code)
+        task = self.task_of_pod[end.index]
+        if end.exit_code == 0:
+            self.succeeded.add(end.index)
+            task_pods = {pod for pod, its in enumerate(self.task_of_pod) if its is task}
+            completed = task_pods <= self.succeeded and self._policy_action(task, "TaskCompleted", None)
+            self.complete = completed == "CompleteJob" or len(self.succeeded) == len(self.task_of_pod)
+            return Action.DONE
+        action = self._policy_action(task, "PodFailed", end.exit_code)
         if action in ("RestartPod", "RestartJob", "RestartTask"):
             self.retry_count += 1
             if self.retry_count >= self.spec.get("maxRetry", 3):
                 return Action.FAIL_JOB
-            # one task holds every pod: restarting it restarts the job
-            return Action.RECREATE_POD if action == "RestartPod" else Action.RESTART_JOB
+            if action == "RestartPod":
+                return Action.RECREATE_POD
+            self.succeeded.clear()
+            return Action.RESTART_JOB if action == "RestartJob" or len(self.spec["tasks"]) == 1 else Action.FAIL_JOB
         if action in ("TerminateJob", "AbortJob"):
             return Action.FAIL_JOB
         raise AssertionError(f"{action} is not modelled (None: the pod stays failed)")
 
-    def _policy_action(self, exit_code: int) -> str | None:
-        for policy in [*self.task.get("policies", []), *self.spec.get("policies", [])]:
+    def _policy_action(self, task: dict[str, Any], event: str, exit_code: int | None) -> str | None:
+        for policy in [*task.get("policies", []), *self.spec.get("policies", [])]:
             events = [*policy.get("events", []), *([policy["event"]] if "event" in policy else [])]
-            if "PodFailed" in events or "*" in events:
+            if event in events or "*" in events:
                 return str(policy["action"])
-            if policy.get("exitCode") == exit_code:
+            if exit_code is not None and policy.get("exitCode") == exit_code:
                 return str(policy["action"])
         return None

@@ -178,12 +178,13 @@ def test_dev_shm_is_a_memory_volume_sized_for_the_t1_slots() -> None:
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container(template)["volumeMounts"]
 
 
-def run_node_script(flavor: Flavor, environment: dict[str, str], tmp_path: Path) -> list[str]:
+def run_node_script(flavor: Flavor, environment: dict[str, str], tmp_path: Path, first_node: int = 0) -> list[str]:
     """The pod's shell with ``undying`` replaced by a stub that prints its arguments."""
     stub = tmp_path / "undying"
     stub.write_text('#!/bin/sh\nfor arg in "$@"; do echo "$arg"; done\n')
     stub.chmod(0o755)
-    script = node_script(validate_job_spec(POD_LEVEL), RenderOptions(name="j", flavor=flavor, image="", script=[]))
+    script = node_script(validate_job_spec(POD_LEVEL), RenderOptions(name="j", flavor=flavor, image="", script=[]),
+                         first_node)
     result = subprocess.run(["/bin/sh", "-c", script, "undying-node", "--config", "f", "t.py"], capture_output=True,
                             text=True, env={"PATH": f"{tmp_path}:/usr/bin:/bin", **environment})
     return result.stdout.splitlines() if result.returncode == 0 else [result.stderr.strip()]
@@ -198,6 +199,11 @@ def test_the_node_rank_comes_from_the_engines_index_and_spares_join_beyond_nnode
         "run", "--node-rank", "3", "--standby", "1", "--config", "f", "t.py"]
     [error] = run_node_script(flavor, {}, tmp_path)
     assert f"{variable} is not set" in error
+    # Volcano's task of nodes 1 and up counts its own indices from 0
+    assert run_node_script(flavor, {variable: "1"}, tmp_path, first_node=1) == [
+        "run", "--node-rank", "2", "--config", "f", "t.py"]
+    assert run_node_script(flavor, {variable: "2"}, tmp_path, first_node=1) == [
+        "run", "--node-rank", "3", "--standby", "1", "--config", "f", "t.py"]
 
 
 @pytest.mark.parametrize("flavor", list(Flavor))
@@ -217,11 +223,15 @@ def test_replicas_and_restart_policies_follow_pod_rescheduling(flavor: Flavor) -
         assert {spec["restartPolicy"] for spec in replicas.values()} == {"ExitCode"}
         assert {spec["restartPolicy"] for spec in job_level["spec"]["pytorchReplicaSpecs"].values()} == {"Never"}
         assert "backoffLimit" not in pod_level["spec"]["runPolicy"]
-        assert pod_level["spec"]["runPolicy"]["cleanPodPolicy"] == "None"  # node 0's logs outlive the job
+        # at the Master's end, pods still running stop; finished ones (their logs) stay
+        assert pod_level["spec"]["runPolicy"]["cleanPodPolicy"] == "Running"
     else:
         assert pod_level["spec"]["policies"][-1] == {"events": ["PodFailed", "PodEvicted"], "action": "RestartPod"}
         assert job_level["spec"]["policies"][-1] == {"events": ["PodFailed", "PodEvicted"], "action": "RestartJob"}
-        assert pod_level["spec"]["minAvailable"] == 3 and pod_level["spec"]["tasks"][0]["replicas"] == 4
+        assert pod_level["spec"]["minAvailable"] == 3
+        head, nodes = pod_level["spec"]["tasks"]
+        assert (head["replicas"], nodes["replicas"]) == (1, 3)  # node 0 apart: its success completes the job
+        assert head["policies"] == [{"event": "TaskCompleted", "action": "CompleteJob"}]
     for job in (pod_level, job_level):
         assert {template["spec"]["restartPolicy"] for template in pod_templates(job)} == {"Never"}
 

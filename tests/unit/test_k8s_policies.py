@@ -139,3 +139,17 @@ def test_a_pod_on_a_silent_node_is_evicted_well_within_wait_reschedule_timeout(w
         evictions = {toleration["key"]: toleration["tolerationSeconds"] for toleration in template["spec"]["tolerations"]
                      if toleration.get("effect") == "NoExecute"}
         assert evictions == {"node.kubernetes.io/not-ready": wait // 2, "node.kubernetes.io/unreachable": wait // 2}
+
+
+@pytest.mark.parametrize("flavor", list(Flavor))
+def test_node_0s_exit_is_the_jobs_outcome_and_a_late_pod_changes_nothing(flavor: Flavor) -> None:
+    """Every node exits 0 when the job ended, whatever its outcome; node 0's code is the outcome.
+    Once node 0 succeeded the job is complete: a replacement pod still looking for the controller
+    is stopped, and its end recreates nothing."""
+    engine = engine_for(engine_job(POD_LEVEL, flavor, 1))
+    assert engine.pod_ended(PodEnd(1, 0)) == Action.DONE and not engine.complete
+    assert engine.pod_ended(PodEnd(0, 0)) == Action.DONE and engine.complete
+    assert engine.pod_ended(PodEnd(2, EXIT_NODE_LEFT, disrupted=True)) == Action.DONE
+    failed = engine_for(engine_job(POD_LEVEL, flavor, 1))
+    assert [failed.pod_ended(PodEnd(node, 0)) for node in (1, 2, 3)] == [Action.DONE] * 3
+    assert failed.pod_ended(PodEnd(0, 1)) == Action.FAIL_JOB and not failed.complete

@@ -178,7 +178,8 @@ def test_the_queue_is_volcanos_own_or_kueues_label() -> None:
 def test_the_gang_is_every_node_or_min_nodes_with_elastic_training(fields: dict, gang: int) -> None:
     spec_fields = {**URL, "nnodes": 4, **fields}
     volcano = job_of(rendered(spec_fields, Flavor.VOLCANO, standby=1))
-    assert volcano["spec"]["minAvailable"] == gang and volcano["spec"]["tasks"][0]["replicas"] == 5
+    assert volcano["spec"]["minAvailable"] == gang
+    assert sum(task["replicas"] for task in volcano["spec"]["tasks"]) == 5
     pytorchjob = job_of(rendered(spec_fields, Flavor.PYTORCHJOB, standby=1))
     assert pytorchjob["spec"]["runPolicy"]["schedulingPolicy"]["minAvailable"] == gang
 
@@ -231,9 +232,10 @@ def test_the_seeds_keys_given_as_the_jobs_metadata_set_the_spec_the_pods_and_the
     [config_map] = [item for item in objects if item["kind"] == "ConfigMap"]
     in_config_map = validate_job_spec(yaml.safe_load(config_map["data"]["job.yaml"]))
     assert in_config_map.pod_rescheduling == "on" and in_config_map == spec_of_rendered(objects)
-    # the pod's own keys win over the job's: an edit of the template is what the pods read
-    template["metadata"]["labels"]["process-recover-enable"] = "off"
-    template["metadata"]["annotations"]["recover-strategy"] = "exit"
+    # the pod's own keys win over the job's: an edit of the templates is what the pods read
+    for edited in pod_templates(job):
+        edited["metadata"]["labels"]["process-recover-enable"] = "off"
+        edited["metadata"]["annotations"]["recover-strategy"] = "exit"
     assert spec_of_rendered(objects).process_recover is False
 
 

@@ -22,7 +22,8 @@ from undying.k8s.pod import CONTAINER_NAME, pod_template
 from undying.k8s.storage import pod_count, volume_claim_policies
 from undying.strategy_names import StrategyName
 
-NODE_GROUP = "node"  # the JobSet replicated job / Volcano task holding every node and spare
+NODE_GROUP = "node"  # the JobSet replicated job holding every node and spare; Volcano's task of nodes 1 and up
+HEAD_TASK = "head"  # Volcano's task of node 0 alone: its success completes the job
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 EXCLUSIVE_TOPOLOGY_ANNOTATION = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 # The pod condition Kubernetes sets on a pod it takes away: a drain (the Eviction API), a
@@ -59,7 +60,7 @@ def node0_selector(options: RenderOptions) -> dict[str, str]:
         return {"training.kubeflow.org/job-name": options.name,
                 "training.kubeflow.org/replica-type": "master",
                 "training.kubeflow.org/replica-index": "0"}
-    return {"volcano.sh/job-name": options.name, "volcano.sh/task-spec": NODE_GROUP,
+    return {"volcano.sh/job-name": options.name, "volcano.sh/task-spec": HEAD_TASK,
             "volcano.sh/task-index": "0"}
 
 
@@ -120,6 +121,10 @@ def _jobset(spec: JobSpec, options: RenderOptions) -> dict[str, Any]:
                                 # agents claiming one node (and the only policy podFailurePolicy allows)
                                 "podReplacementPolicy": "Failed",
                                 "podFailurePolicy": jobset_pod_failure_policy(spec, options),
+                                # Node 0's `undying run` exits 0 only when the job succeeded (the
+                                # others exit 0 whenever it ended): its success completes the Job,
+                                # and a replacement pod still looking for the controller is stopped.
+                                "successPolicy": {"rules": [{"succeededIndexes": "0"}]},
                                 "template": pod_template(spec, options, restart_policy="Never")}
     if pod_level(spec):
         job_spec["backoffLimitPerIndex"] = options.retries.pod  # only the failed index is recreated ...
@@ -162,9 +167,10 @@ def _pytorchjob(spec: JobSpec, options: RenderOptions) -> dict[str, Any]:
     if options.placement.priority_class:
         scheduling["priorityClass"] = options.placement.priority_class
     # No backoffLimit: the operator counts only in-place container restarts, which ExitCode and
-    # Never pods never have. cleanPodPolicy None: finished pods (and their logs) stay.
+    # Never pods never have. The job ends with the Master (node 0); cleanPodPolicy Running then
+    # stops a replacement pod still looking for the controller and keeps finished pods' logs.
     return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _metadata(spec, options, kueue=True),
-            "spec": {"runPolicy": {"cleanPodPolicy": "None", "schedulingPolicy": scheduling},
+            "spec": {"runPolicy": {"cleanPodPolicy": "Running", "schedulingPolicy": scheduling},
                      "pytorchReplicaSpecs": replicas}}
 
 
@@ -186,14 +192,21 @@ def volcano_max_retry(spec: JobSpec, options: RenderOptions) -> int:
 
 
 def _volcano(spec: JobSpec, options: RenderOptions) -> dict[str, Any]:
+    # Node 0 in a task of its own: its `undying run` exits 0 only when the job succeeded (the others
+    # exit 0 whenever it ended), so its task's completion completes the job, which stops a
+    # replacement pod still looking for the controller. The other task's indices start at node 1.
+    tasks = [{"name": HEAD_TASK, "replicas": 1, "template": pod_template(spec, options, restart_policy="Never"),
+              "policies": [{"event": "TaskCompleted", "action": "CompleteJob"}]}]
+    if pod_count(spec, options) > 1:
+        tasks.append({"name": NODE_GROUP, "replicas": pod_count(spec, options) - 1,
+                      "template": pod_template(spec, options, restart_policy="Never", first_node=1)})
     volcano_spec: dict[str, Any] = {
         "schedulerName": "volcano",
         "minAvailable": gang_size(spec),  # gang-schedule the nodes; spares come when they fit
         "maxRetry": volcano_max_retry(spec, options),
         "plugins": {"env": []},  # sets VC_TASK_INDEX
         "policies": volcano_policies(spec),
-        "tasks": [{"name": NODE_GROUP, "replicas": pod_count(spec, options),
-                   "template": pod_template(spec, options, restart_policy="Never")}],
+        "tasks": tasks,
     }
     if options.placement.queue:
         volcano_spec["queue"] = options.placement.queue

@@ -61,12 +61,15 @@ def quantity_gib(gib: float) -> str:
     return f"{math.ceil(gib * 1024)}Mi"
 
 
-def node_script(spec: JobSpec, options: RenderOptions) -> str:
-    """The container's shell: read the engine's index, join as that node (or as a spare beyond
-    nnodes), then exec `undying run` with the fixed arguments ("$@")."""
+def node_script(spec: JobSpec, options: RenderOptions, first_node: int = 0) -> str:
+    """The container's shell: read the engine's index, join as that node (``first_node`` + the
+    index: a group of pods that starts at node 1), or as a spare beyond nnodes, then exec `undying
+    run` with the fixed arguments ("$@")."""
     variable = NODE_INDEX_VARIABLE[options.flavor]
+    index = f'"${{{variable}:?{variable} is not set: not started by the engine}}"'
+    rank = f"node_rank={index}\n" if first_node == 0 else f"index={index}\nnode_rank=$((index + {first_node}))\n"
     return (
-        f'node_rank="${{{variable}:?{variable} is not set: not started by the engine}}"\n'
+        f"{rank}"
         'spare=""\n'
         f'if [ "$node_rank" -ge {spec.nnodes} ]; then spare="--standby 1"; fi\n'
         'exec undying run --node-rank "$node_rank" $spare "$@"\n'
@@ -87,16 +90,17 @@ def node_arguments(options: RenderOptions) -> list[str]:
     return [*arguments, *options.script]
 
 
-def pod_template(spec: JobSpec, options: RenderOptions, restart_policy: str) -> dict[str, Any]:
-    """The pod template shared by every node and spare; the seeds' keys on its metadata are what
-    `undying run` reads back through the Downward API."""
+def pod_template(spec: JobSpec, options: RenderOptions, restart_policy: str, first_node: int = 0) -> dict[str, Any]:
+    """The pod template of every node and spare (of those from ``first_node`` on, where an engine
+    holds node 0 apart); the seeds' keys on its metadata are what `undying run` reads back through
+    the Downward API."""
     names = object_names(options)
     shm = quantity_gib(shm_size_gib(spec, options))
     storage, storage_mounts = storage_volumes(spec, options)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME[options.flavor],
         "image": options.image,
-        "command": ["/bin/sh", "-c", node_script(spec, options), "undying-node"],
+        "command": ["/bin/sh", "-c", node_script(spec, options, first_node), "undying-node"],
         "args": node_arguments(options),
         "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
                 {"name": POD_IP_VARIABLE, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
