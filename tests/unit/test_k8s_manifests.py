@@ -132,6 +132,90 @@ def test_the_strict_crd_schemas_catch_a_wrong_type_and_an_unknown_field() -> Non
                 jsonschema.validate(bad, schema)
 
 
+def job_api_problems(name: str, job: dict[str, Any]) -> list[str]:
+    """What the API server's Job validation refuses beyond the schema (Kubernetes'
+    pkg/apis/batch/validation: the failure, success and replacement policies' rules)."""
+    problems = []
+    indexed = job.get("completionMode") == "Indexed"
+    completions = job.get("completions", 1)
+    containers = {container["name"] for container in job["template"]["spec"]["containers"]}
+    if indexed and len(f"{name}-{completions - 1}") > 63:
+        problems.append("pod hostnames longer than a DNS label")
+    if ("backoffLimitPerIndex" in job or "maxFailedIndexes" in job or "successPolicy" in job) and not indexed:
+        problems.append("per-index fields need indexed completion mode")
+    if "maxFailedIndexes" in job and ("backoffLimitPerIndex" not in job or job["maxFailedIndexes"] > completions):
+        problems.append("maxFailedIndexes")
+    if "podFailurePolicy" in job:
+        if job["template"]["spec"]["restartPolicy"] != "Never" or job.get("podReplacementPolicy", "Failed") != "Failed":
+            problems.append("podFailurePolicy needs restartPolicy Never and podReplacementPolicy Failed")
+        for rule in job["podFailurePolicy"]["rules"]:
+            if ("onExitCodes" in rule) == bool(rule.get("onPodConditions")):
+                problems.append("a rule needs one of onExitCodes and onPodConditions")
+            codes = rule.get("onExitCodes", {})
+            values = codes.get("values", [])
+            if codes and (not values or values != sorted(set(values)) or (codes["operator"] == "In" and 0 in values)
+                          or codes.get("containerName", next(iter(containers))) not in containers):
+                problems.append(f"onExitCodes {codes}")
+            if any(pattern.get("status") not in ("True", "False", "Unknown") for pattern in rule.get("onPodConditions", [])):
+                problems.append("onPodConditions status")
+    for rule in job.get("successPolicy", {}).get("rules", []):
+        indexes = [int(part) for item in rule.get("succeededIndexes", "").split(",") if item
+                   for part in item.split("-")]
+        if not indexes or max(indexes) >= completions:
+            problems.append(f"successPolicy {rule}")
+    return problems
+
+
+def volcano_policy_problems(policies: list[dict[str, Any]]) -> list[str]:
+    """What Volcano's admission webhook refuses in a list of policies (v1.15.1,
+    pkg/webhooks/admission/jobs/validate/util.go validatePolicies)."""
+    events: list[str] = []
+    codes: list[int] = []
+    problems = []
+    for policy in policies:
+        listed = [*policy.get("events", []), *([policy["event"]] if "event" in policy else [])]
+        if bool(listed) == ("exitCode" in policy):
+            problems.append(f"one of event(s) and exitCode: {policy}")
+        if listed and policy["action"] not in ("AbortJob", "RestartJob", "RestartTask", "RestartPod",
+                                               "RestartPartition", "TerminateJob", "CompleteJob", "ResumeJob"):
+            problems.append(f"action {policy['action']}")
+        events += listed
+        codes += [policy["exitCode"]] if "exitCode" in policy else []
+    if len(set(events)) < len(events) or len(set(codes)) < len(codes) or 0 in codes:
+        problems.append("duplicate events or exit codes, or exit code 0")
+    return problems
+
+
+@pytest.mark.parametrize(("flavor", "fields", "standby", "options"), CASES, ids=CASE_IDS)
+def test_the_api_servers_and_volcanos_own_rules_hold(flavor: Flavor, fields: dict, standby: int,
+                                                     options: dict) -> None:
+    job = engine_object(rendered(fields, flavor, standby, **options))
+    if job["kind"] == "JobSet":
+        [replicated] = job["spec"]["replicatedJobs"]
+        assert job_api_problems(f"{job['metadata']['name']}-{replicated['name']}-0", replicated["template"]["spec"]) == []
+    if job["kind"] == "Job":
+        tasks = job["spec"]["tasks"]
+        assert volcano_policy_problems(job["spec"]["policies"]) == []
+        assert all(volcano_policy_problems(task.get("policies", [])) == [] for task in tasks)
+        assert job["spec"]["minAvailable"] <= sum(task["replicas"] for task in tasks)
+
+
+def test_the_rule_checks_catch_what_the_api_server_and_volcano_refuse() -> None:
+    jobset = engine_object(rendered(POD_LEVEL, Flavor.JOBSET, 1))
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    unsorted = copy.deepcopy(job)
+    unsorted["podFailurePolicy"]["rules"][1]["onExitCodes"]["values"] = [130, 75]
+    never = copy.deepcopy(job)
+    never["template"]["spec"]["restartPolicy"] = "OnFailure"
+    beyond = copy.deepcopy(job)
+    beyond["successPolicy"]["rules"][0]["succeededIndexes"] = "4"
+    for bad in (unsorted, never, beyond):
+        assert job_api_problems("llm-run-node-0", bad)
+    volcano = engine_object(rendered(POD_LEVEL, Flavor.VOLCANO, 1))
+    assert volcano_policy_problems([*volcano["spec"]["policies"], {"exitCode": 75, "action": "RestartPod"}])
+    assert volcano_policy_problems([{"event": "PodFailed", "exitCode": 1, "action": "RestartJob"}])
+
+
 def container(template: dict[str, Any]) -> dict[str, Any]:
     [only] = template["spec"]["containers"]
     return only
