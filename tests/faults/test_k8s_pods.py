@@ -346,8 +346,8 @@ def test_a_drained_node_pod_is_recreated_and_rejoins_as_a_spare(reference_run: J
     """`kubectl drain` of node 1's host: its pod (DisruptionTarget) gets SIGTERM, its `undying run`
     tells the controller it leaves and exits 143; the JobSet's pod failure policy recreates it
     without counting a failure, and it rejoins as a spare while the spare pod serves node 1; the
-    job ends bitwise equal to the fault-free run. (Exiting 0, as a leave did, the pod would count
-    as done and never come back: tests/unit/test_k8s_policies.py.)"""
+    job ends bitwise equal to the fault-free run. (Exiting 0, the pod would count as done and
+    never come back: tests/unit/test_k8s_policies.py.)"""
     cluster = pods(Flavor.JOBSET, standby=1)
     for node in (0, 1, 2):
         cluster.start(node)

@@ -90,21 +90,20 @@ def _check_names(options: RenderOptions) -> None:
 
 def _check_resources(spec: JobSpec, options: RenderOptions) -> None:
     wanted = options.resources
-    quantities = {option: quantity_value(option, text) for option, text in (
-        ("--cpu-request", wanted.cpu_request), ("--cpu-limit", wanted.cpu_limit),
-        ("--memory-request", wanted.memory_request), ("--memory-limit", wanted.memory_limit)) if text is not None}
+    texts = {"--cpu-request": wanted.cpu_request, "--cpu-limit": wanted.cpu_limit,
+             "--memory-request": wanted.memory_request, "--memory-limit": wanted.memory_limit}
+    quantities = {option: quantity_value(option, text) for option, text in texts.items() if text is not None}
     for option, value in quantities.items():
         if value <= 0:
-            raise option_error(option, "a quantity > 0", getattr(wanted, option[2:].replace("-", "_")))
+            raise option_error(option, "a quantity > 0", texts[option])
     shm = quantity_gib(shm_size_gib(spec, options))
     shm_bytes = quantity_value("/dev/shm", shm)
     for option in ("--memory-request", "--memory-limit"):
         if option in quantities and quantities[option] < shm_bytes:
             raise RenderError(f"{option}: must cover the memory-backed /dev/shm of {shm} (nproc_per_node x "
                               "checkpoint.snapshot_slots x --state-gib + 1 GiB), which counts as the pod's "
-                              f"memory (got {getattr(wanted, option[2:].replace('-', '_'))!r})")
+                              f"memory (got {texts[option]!r})")
     for kind in ("cpu", "memory"):
-        request, limit = quantities.get(f"--{kind}-request"), quantities.get(f"--{kind}-limit")
-        if request is not None and limit is not None and limit < request:
-            raise RenderError(f"--{kind}-limit: must be at least --{kind}-request "
-                              f"(got {getattr(wanted, kind + '_limit')!r} < {getattr(wanted, kind + '_request')!r})")
+        request, limit = f"--{kind}-request", f"--{kind}-limit"
+        if request in quantities and limit in quantities and quantities[limit] < quantities[request]:
+            raise RenderError(f"{limit}: must be at least {request} (got {texts[limit]!r} < {texts[request]!r})")

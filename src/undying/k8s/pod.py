@@ -1,5 +1,6 @@
 """The pod every node of a rendered job runs: one container starting ``undying run`` with the node
-rank from the engine's index variable, and the Service, Secret and ConfigMap it reads.
+rank from the engine's index variable, its volumes (storage.py) and scheduling fields
+(placement.py), and the Service, Secret and ConfigMap it reads.
 
 Runs in the ``undying k8s render`` process (pure functions from the spec and the render options
 to Kubernetes objects as plain dicts); nothing here talks to a cluster.

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from undying.config import JobSpec, load_job_spec
+from undying.config import JobSpec
 from undying.config.loading import validate_job_spec
 from undying.k8s.engines import engine_job, node0_selector
 from undying.k8s.labels import apply_pod_metadata
@@ -46,12 +46,6 @@ def render_with_notes(spec: JobSpec, options: RenderOptions) -> tuple[list[dict[
 def render_job(spec: JobSpec, options: RenderOptions) -> list[dict[str, Any]]:
     """``render_with_notes`` without the notes."""
     return render_with_notes(spec, options)[0]
-
-
-def render_file(path: str | Path, options: RenderOptions, nodes: int | None = None) -> list[dict[str, Any]]:
-    """``render_job`` of the YAML spec at ``path``; ``nodes`` overrides its ``nnodes``."""
-    spec = load_job_spec(path, {"nnodes": nodes})
-    return render_job(spec, options)
 
 
 class _ManifestDumper(yaml.SafeDumper):
