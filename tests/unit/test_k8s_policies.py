@@ -153,3 +153,14 @@ def test_node_0s_exit_is_the_jobs_outcome_and_a_late_pod_changes_nothing(flavor:
     failed = engine_for(engine_job(POD_LEVEL, flavor, 1))
     assert [failed.pod_ended(PodEnd(node, 0)) for node in (1, 2, 3)] == [Action.DONE] * 3
     assert failed.pod_ended(PodEnd(0, 1)) == Action.FAIL_JOB and not failed.complete
+
+
+def test_undyings_own_budgets_are_not_the_engines() -> None:
+    """max_restarts and crash_loop_limit count undying's restarts inside live pods; the engines'
+    budgets come from --pod-retries and --job-retries alone."""
+    own = {"max_restarts": 7, "crash_loop_limit": 9}
+    jobset = engine_job({**POD_LEVEL, **own}, Flavor.JOBSET, 1)
+    assert jobset["spec"]["failurePolicy"]["maxRestarts"] == 3
+    assert jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["backoffLimitPerIndex"] == 10
+    assert engine_job({**JOB_LEVEL, **own}, Flavor.VOLCANO)["spec"]["maxRetry"] == 3 + 1
+    assert engine_job({**POD_LEVEL, **own}, Flavor.VOLCANO, 1)["spec"]["maxRetry"] == 10 * 4 + 3 + 1
