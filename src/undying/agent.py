@@ -64,6 +64,12 @@ STANDBY_RETRY_S = 5.0  # after the standby died: until then, workers start as pl
 POLL_MARGIN = 2.0
 # How long a leaving agent waits for the controller to take note before it stops its workers anyway.
 LEAVE_TIMEOUT = 3.0
+# `undying run`'s exit code on a node whose agent ended while the job goes on: a signal (a drained or
+# preempted pod's SIGTERM: a planned leave), or a controller unreachable for node_return_timeout.
+# Not the job's outcome, so not 0 (an engine would count the pod as done and never replace it):
+# 128 + SIGTERM, what a pod killed by SIGTERM reports; the rendered Kubernetes policies recreate
+# such a pod (docs/kubernetes.md's exit-code table).
+EXIT_NODE_LEFT = 143
 
 
 class AgentStopped(Exception):
@@ -131,7 +137,11 @@ class Agent:
             return self._loop()
         except AgentStopped:
             self._announce_leave()
-            return 0
+            return EXIT_NODE_LEFT if self._leaving else 0
+        except ControllerUnreachable:
+            print(f"undying agent {self.node}: no controller at {self.controller_address} within "
+                  "node_return_timeout, stopping", file=sys.stderr)
+            return EXIT_NODE_LEFT
         except Unauthorized as error:
             print(f"undying agent {self.node}: {error}", file=sys.stderr)
             return 2
@@ -216,7 +226,7 @@ class Agent:
                 unreachable_since = unreachable_since or time.monotonic()
                 if time.monotonic() - unreachable_since > self.spec.node_return_timeout:
                     print(f"undying agent {self.node}: controller unreachable, stopping", file=sys.stderr)
-                    return 1
+                    return EXIT_NODE_LEFT
                 time.sleep(min(1.0, self.spec.monitor_interval))
                 continue
             if order.reason == "hello" and order.kind != OrderKind.EXIT:

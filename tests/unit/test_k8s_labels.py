@@ -38,7 +38,7 @@ def test_metadata_applied_over_defaults_gives_back_the_seed_fields(fields: dict)
 
 
 @pytest.mark.parametrize("flavor", list(Flavor))
-@pytest.mark.parametrize("fields", [RECOVERING, {"nnodes": 2}])
+@pytest.mark.parametrize("fields", [RECOVERING, {"nnodes": 2, "checkpoint": {"dir": "s3://bucket/ckpt"}}])
 def test_round_trip_spec_manifests_spec(flavor: Flavor, fields: dict) -> None:
     spec = validate_job_spec(fields)
     standby = 1 if spec.pod_rescheduling == "on" else 0
@@ -48,7 +48,7 @@ def test_round_trip_spec_manifests_spec(flavor: Flavor, fields: dict) -> None:
 
 
 def test_annotations_edited_on_the_manifest_change_the_spec_read_back() -> None:
-    spec = validate_job_spec({"nnodes": 2})
+    spec = validate_job_spec({"nnodes": 2, "checkpoint": {"dir": "s3://bucket/ckpt"}})
     objects = render_job(spec, RenderOptions(name="llm", flavor=Flavor.JOBSET, image="img", script=["t.py"]))
     template = objects[-1]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
     template["metadata"]["labels"]["process-recover-enable"] = "on"

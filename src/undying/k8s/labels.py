@@ -93,13 +93,14 @@ def _texts(spec: JobSpec, place: Place) -> dict[str, str]:
     return {key.name: key.to_text(getattr(spec, key.field)) for key in SEED_KEYS if key.place is place}
 
 
-def apply_pod_metadata(spec: JobSpec, labels: Mapping[str, str], annotations: Mapping[str, str]) -> JobSpec:
+def apply_pod_metadata(spec: JobSpec, labels: Mapping[str, str], annotations: Mapping[str, str],
+                       owner: str = "pod") -> JobSpec:
     """``spec`` with the seeds' keys found in ``labels`` and ``annotations`` applied over it.
 
     Other keys (the engine's own, ``kubectl``'s) are ignored. A seed key under the wrong kind
     (an annotation that should be a label) is read as well: either place states the user's intent.
-    Raises ``SpecError`` naming the label or annotation when its value, or the spec it makes,
-    is not allowed."""
+    Raises ``SpecError`` naming the label or annotation (of the ``owner``: the pod's, or the job's
+    given to ``undying k8s render``) when its value, or the spec it makes, is not allowed."""
     found = {**_present(labels, Place.LABEL), **_present(annotations, Place.ANNOTATION)}
     if not found:
         return spec
@@ -108,7 +109,7 @@ def apply_pod_metadata(spec: JobSpec, labels: Mapping[str, str], annotations: Ma
         try:
             merged[key.field] = key.from_text(text.strip())
         except ValueError:
-            raise SpecError(f"pod {place.value} {key.name}", "unknown value", key.allowed, text) from None
+            raise SpecError(f"{owner} {place.value} {key.name}", "unknown value", key.allowed, text) from None
     try:
         return validate_job_spec(merged)
     except SpecError as error:
@@ -117,7 +118,7 @@ def apply_pod_metadata(spec: JobSpec, labels: Mapping[str, str], annotations: Ma
         if named is None or named not in found:
             raise
         place = found[named][0]
-        raise SpecError(f"pod {place.value} {named.name}", error.problem, error.allowed, error.value) from None
+        raise SpecError(f"{owner} {place.value} {named.name}", error.problem, error.allowed, error.value) from None
 
 
 def _present(metadata: Mapping[str, str], place: Place) -> dict[SeedKey, tuple[Place, str]]:

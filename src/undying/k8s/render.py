@@ -1,5 +1,6 @@
 """A whole rendered job: Secret (token), ConfigMap (job.yaml), headless Service (controller) and
-the engine's job object; written as YAML, and read back into the spec the pods will run.
+the engine's job object; written as YAML (a render into the same directory keeps the token and
+removes what it no longer writes), and read back into the spec the pods will run.
 
 Runs in the ``undying k8s render`` process, and in tests that check the manifests.
 """
@@ -13,48 +14,38 @@ from typing import Any
 
 import yaml
 
-from undying.config import JobSpec, load_job_spec
+from undying.config import JobSpec
 from undying.config.loading import validate_job_spec
 from undying.k8s.engines import engine_job, node0_selector
 from undying.k8s.labels import apply_pod_metadata
-from undying.k8s.pod import SPEC_FILE, RenderOptions, controller_service, spec_config_map, token_secret
+from undying.k8s.names import RenderError
+from undying.k8s.option_checks import check_render_options
+from undying.k8s.pod import (
+    SPEC_FILE,
+    TOKEN_KEY,
+    RenderOptions,
+    controller_service,
+    spec_config_map,
+    token_secret,
+)
 
-# The job's name prefixes every object's name and, with JobSet, its pods' hostnames (63 at most).
-_JOB_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")
 
-
-class RenderError(ValueError):
-    """A render option that cannot make a valid job; ``str()`` is one line naming the option."""
-
-
-def check_render_options(spec: JobSpec, options: RenderOptions) -> None:
-    if not _JOB_NAME.fullmatch(options.name):
-        raise RenderError(f"--name: allowed 1-40 lowercase letters, digits or '-', starting and ending "
-                          f"with a letter or digit (got {options.name!r})")
-    if options.standby < 0:
-        raise RenderError(f"--standby: allowed 0 or more spare pods (got {options.standby})")
-    if options.standby and spec.pod_rescheduling != "on":
-        raise RenderError("--standby: spare pods take a lost node's place only with pod_rescheduling: on "
-                          f"(got {spec.pod_rescheduling!r})")
-    if not options.state_gib > 0:
-        raise RenderError(f"--state-gib: allowed a size > 0 in GiB (got {options.state_gib})")
-    if not options.script:
-        raise RenderError("--script: allowed the training script and its arguments, e.g. '/app/train.py --steps 100' "
-                          "(got nothing)")
+def render_with_notes(spec: JobSpec, options: RenderOptions) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every object of the job, in the order to apply them (the pods' inputs before the pods), and
+    the notes (one line each) on what the job as rendered loses. The seeds' keys among the job's
+    labels and annotations (``--label``, ``--annotation``) are applied over ``spec`` first: they
+    reach the pods' spec and metadata, and the engine's policies, like the spec's own fields."""
+    spec = apply_pod_metadata(spec, options.job_labels, options.job_annotations, owner="job")
+    notes = check_render_options(spec, options)
+    # With etcd the leader is found in etcd, on whichever pod it runs: no Service for node 0.
+    service = [] if options.etcd else [controller_service(options, node0_selector(options))]
+    secret = [] if options.token_secret else [token_secret(options)]
+    return [*secret, spec_config_map(spec, options), *service, engine_job(spec, options)], notes
 
 
 def render_job(spec: JobSpec, options: RenderOptions) -> list[dict[str, Any]]:
-    """Every object of the job, in the order to apply them (the pods' inputs before the pods)."""
-    check_render_options(spec, options)
-    # With etcd the leader is found in etcd, on whichever pod it runs: no Service for node 0.
-    service = [] if options.etcd else [controller_service(options, node0_selector(options))]
-    return [token_secret(options), spec_config_map(spec, options), *service, engine_job(spec, options)]
-
-
-def render_file(path: str | Path, options: RenderOptions, nodes: int | None = None) -> list[dict[str, Any]]:
-    """``render_job`` of the YAML spec at ``path``; ``nodes`` overrides its ``nnodes``."""
-    spec = load_job_spec(path, {"nnodes": nodes})
-    return render_job(spec, options)
+    """``render_with_notes`` without the notes."""
+    return render_with_notes(spec, options)[0]
 
 
 class _ManifestDumper(yaml.SafeDumper):
@@ -74,15 +65,53 @@ def dump_manifests(objects: Sequence[dict[str, Any]]) -> str:
     return yaml.dump_all(objects, Dumper=_ManifestDumper, sort_keys=False)
 
 
-def write_manifests(objects: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]:
-    """One file per object, numbered in apply order: ``DIR/NN-kind-name.yaml``."""
+# What write_manifests names its files: NN-KIND-NAME.yaml, NAME the job's name or one of its objects'.
+_MANIFEST_FILE = re.compile(r"\d\d-[a-z0-9]+-(?P<name>[a-z0-9-]+)\.yaml")
+
+
+def _files_of_job(directory: Path, job_name: str) -> list[Path]:
+    """The manifest files an earlier render of this job wrote in ``directory``."""
+    names = {job_name, f"{job_name}-ctl", f"{job_name}-spec", f"{job_name}-token"}
+    return [path for path in sorted(directory.glob("[0-9][0-9]-*.yaml"))
+            if (match := _MANIFEST_FILE.fullmatch(path.name)) and match["name"] in names]
+
+
+def kept_token(out_dir: str | Path, job_name: str) -> str | None:
+    """The token of the Secret an earlier render of this job wrote to ``out_dir``, if any: a render
+    into the same directory keeps it, so that applying again changes nothing."""
     directory = Path(out_dir)
-    directory.mkdir(parents=True, exist_ok=True)
+    if not directory.is_dir():
+        return None
+    for path in _files_of_job(directory, job_name):
+        try:
+            manifest = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(manifest, dict) and manifest.get("kind") == "Secret":
+            token = (manifest.get("stringData") or {}).get(TOKEN_KEY)
+            if isinstance(token, str) and token:
+                return token
+    return None
+
+
+def write_manifests(objects: Sequence[dict[str, Any]], out_dir: str | Path, job_name: str) -> list[Path]:
+    """One file per object, numbered in apply order: ``DIR/NN-kind-name.yaml``. Files an earlier
+    render of the same job left that this one does not write are removed (``kubectl apply -f DIR``
+    would apply them too). Raises ``RenderError`` naming ``--out`` when the directory is not writable."""
+    directory = Path(out_dir)
     written = []
-    for number, manifest in enumerate(objects):
-        path = directory / f"{number:02d}-{manifest['kind'].lower()}-{manifest['metadata']['name']}.yaml"
-        path.write_text(dump_manifests([manifest]))
-        written.append(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        earlier = _files_of_job(directory, job_name)
+        for number, manifest in enumerate(objects):
+            path = directory / f"{number:02d}-{manifest['kind'].lower()}-{manifest['metadata']['name']}.yaml"
+            path.write_text(dump_manifests([manifest]))
+            written.append(path)
+        for stale in set(earlier) - set(written):
+            stale.unlink()
+    except OSError as error:
+        raise RenderError(f"--out: cannot write the manifests to {str(directory)!r}: "
+                          f"{error.strerror or error}") from None
     return written
 
 
