@@ -168,7 +168,7 @@ def run_ha_node(options: LaunchOptions, terminal: Terminal) -> int:
         return 1
     agent = Agent(options.node_rank, options.spec, address, options.token, options.run_dir, options.command,
                   options.injections_text, spare=options.standby_agents > 0, log_dir=options.worker_log_dir,
-                  relay=OutputRelay(terminal, options.streams()))
+                  relay=OutputRelay(terminal, options.streams()), sigterm=options.sigterm)
     agent_code = agent.run()
     candidate.stop.set()
     candidate.join()

@@ -83,7 +83,7 @@ class LocalAgents:
         command = [sys.executable, "-m", "undying.agent", "--node", str(node),
                    "--controller", self.controller_address, "--run-dir", str(self.options.run_dir),
                    "--log-dir", str(self.options.worker_log_dir), "--console-fd", str(console_write),
-                   "--console-streams", self.options.streams().to_text(),
+                   "--console-streams", self.options.streams().to_text(), "--sigterm", self.options.sigterm,
                    *(["--standby"] if spare else []), "--", *self.options.command]
         log = open(self.options.worker_log_dir / f"agent{node}.log", "ab")  # noqa: SIM115 - child's
         try:
@@ -265,5 +265,6 @@ def _run_remote_agent(options: LaunchOptions, terminal: Terminal) -> int:
     assert options.node_rank is not None
     agent = Agent(options.node_rank, options.spec, options.controller_address, options.token,
                   options.run_dir, options.command, options.injections_text, spare=options.standby_agents > 0,
-                  log_dir=options.worker_log_dir, relay=OutputRelay(terminal, options.streams()))
+                  log_dir=options.worker_log_dir, relay=OutputRelay(terminal, options.streams()),
+                  sigterm=options.sigterm)
     return agent.run()
