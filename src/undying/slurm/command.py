@@ -13,6 +13,7 @@ import math
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from undying.config import load_job_spec
@@ -150,12 +151,13 @@ def time_limit_seconds(text: str) -> int:
     return (first or 0) * 60  # MINUTES
 
 
-def check_capacity(partition: str | None, nodes: int, standby: int) -> None:
+def check_capacity(partition: str | None, nodes: int, standby: int,
+                   run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> None:
     """``SlurmError`` when the partition (the default one without ``--partition``) cannot hold
     ``nodes + standby`` nodes; nothing when Slurm cannot say (sbatch then decides)."""
     try:
-        done = subprocess.run(["scontrol", "show", "partition", "-o", *([partition] if partition else [])],
-                              capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
+        done = run(["scontrol", "show", "partition", "-o", *([partition] if partition else [])],
+                   capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError):
         return
     if done.returncode != 0:

@@ -80,8 +80,9 @@ def place_in_step(args: argparse.Namespace, step: SlurmStep, spec: JobSpec,
 
 
 def apply_step(args: argparse.Namespace, step: SlurmStep, placement: Placement,
-               address_of: Callable[[str], str] = node_address) -> None:
-    """Fill ``undying run``'s unset flags in ``args`` from the step and this node's placement."""
+               address_of: Callable[[str], str] | None = None) -> None:
+    """Fill ``undying run``'s unset flags in ``args`` from the step and this node's placement
+    (``address_of``: a node name's address, by default its NodeAddr from ``scontrol``)."""
     args.node_rank = placement.node_rank
     # The CLI's --standby K on a node of its own is "this node is a spare".
     args.standby = args.standby if placement.spare else 0
@@ -98,7 +99,7 @@ def apply_step(args: argparse.Namespace, step: SlurmStep, placement: Placement,
         return
     if args.controller is None:
         if args.master_addr is None:
-            args.master_addr = address_of(step.nodes[0])
+            args.master_addr = (address_of or node_address)(step.nodes[0])
         if args.master_port is None:
             args.master_port = controller_port(step.job_id)
     if args.controller_bind is None and placement.node_rank == 0:

@@ -42,8 +42,7 @@ def shared_token(path: Path) -> str:
 def _create(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.partial")
-        staging.unlink(missing_ok=True)
+        staging = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.partial")
         descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, TOKEN_MODE)
         try:
             os.fchmod(descriptor, TOKEN_MODE)  # whatever the umask
