@@ -117,10 +117,18 @@ def _spare_note(nodes: int, standby: int) -> str:
 
 
 def _continued(words: list[str], width: int = 100) -> str:
-    """``words`` as one shell command, broken with backslashes before ``width`` columns."""
+    """``words`` as one shell command, broken with backslashes before ``width`` columns, never between
+    an option and its value."""
+    groups: list[str] = []
+    for word in words:
+        if groups and groups[-1].startswith("-") and " " not in groups[-1] and "=" not in groups[-1] \
+                and not word.startswith("-"):
+            groups[-1] += " " + word
+        else:
+            groups.append(word)
     lines: list[str] = []
     current = ""
-    for word in words:
+    for word in groups:
         if current and len(current) + 1 + len(word) > width - 2:
             lines.append(current + " \\")
             current = "    " + word
