@@ -20,6 +20,7 @@ from undying import __version__
 from undying.config import SpecError, load_job_spec
 from undying.console_streams import StreamOptionError, console_streams
 from undying.inject import InjectionSpecError, check_targets, encode, parse_injections
+from undying.slurm.env import SlurmStep
 from undying.slurm.errors import SlurmError
 from undying.torchrun_flags import FlagError, add_torchrun_arguments, controller_flags, nproc_per_node
 
@@ -113,6 +114,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         "API file); recover-strategy and wait-reschedule-timeout override the spec")
 
 
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """How ``status`` and ``stop`` find a running job (``_job_controller``)."""
+    parser.add_argument("run_dir", nargs="?", help="the run directory of a job started here (its controller "
+                        "and token are found in it)")
+    parser.add_argument("--controller", help="HOST:PORT of the controller")
+    parser.add_argument("--etcd", metavar="HOST:PORT[,...]", help="a failover job: find its leader in etcd")
+    parser.add_argument("--job-name", help="with --etcd: the job's name")
+    parser.add_argument("--token-file", help="the job's token (default with RUN_DIR: the one kept there)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="undying", description="Fault-tolerant, resumable distributed training for PyTorch.")
     parser.add_argument("--version", action="version", version=f"undying {__version__}")
@@ -132,22 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--png", help="PNG path (default RUN_DIR/report.png)")
     status = commands.add_parser("status", help="show a running job: a table of its nodes and ranks "
                                  "(--watch: redrawn in place), or its /status as JSON")
-    status.add_argument("run_dir", nargs="?", help="the run directory of a job started here (its controller "
-                        "and token are found in it)")
-    status.add_argument("--controller", help="HOST:PORT of the controller")
-    status.add_argument("--etcd", metavar="HOST:PORT[,...]", help="a failover job: find its leader in etcd")
-    status.add_argument("--job-name", help="with --etcd: the job's name")
-    status.add_argument("--token-file", help="the job's token (default with RUN_DIR: the one kept there)")
+    add_job_arguments(status)
     status.add_argument("--watch", action="store_true", help="redraw the table in place until the job ends")
     status.add_argument("--interval", type=float, default=1.0, help="with --watch: seconds between redraws")
     status.add_argument("--json", action="store_true", help="print the controller's /status as JSON, once")
     stop = commands.add_parser("stop", help="stop a running job once every rank persisted its newest step "
                                "(exit 75: run it again to resume there), or at once with --now")
-    stop.add_argument("run_dir", nargs="?", help="the run directory of the job (its controller and token are found in it)")
-    stop.add_argument("--controller", help="HOST:PORT of the controller")
-    stop.add_argument("--etcd", metavar="HOST:PORT[,...]", help="a failover job: find its leader in etcd")
-    stop.add_argument("--job-name", help="with --etcd: the job's name")
-    stop.add_argument("--token-file", help="the job's token (default with RUN_DIR: the one kept there)")
+    add_job_arguments(stop)
     stop.add_argument("--now", action="store_true", help="cancel at once (exit 130); the newest durable checkpoint "
                       "is then the last periodic one")
     stop.add_argument("--reason", default=None, help="why, for the job's log (default: who asked, from where)")
@@ -269,10 +271,8 @@ def command_run(args: argparse.Namespace) -> int:
     return code
 
 
-def _slurm_step() -> Any:
+def _slurm_step() -> SlurmStep | None:
     """The Slurm step this ``undying run`` is a task of (``slurm/env.py``), or None outside one."""
-    from undying.slurm.env import SlurmStep
-
     try:
         return SlurmStep.from_environ(os.environ)
     except SlurmError as error:
