@@ -10,7 +10,11 @@ port: Slurm places one task of a step on each, as on three machines.
 
 A node is killed (``kill_node``) the way a machine dies: its ``slurmd``, the ``slurmstepd`` of each
 step on it and every process of the job's tasks there (they carry ``SLURMD_NODENAME``) get SIGKILL
-at once; ``revive_node`` starts its ``slurmd`` again (``ReturnToService=2`` puts it back in service).
+at once; ``mark_down`` tells slurmctld at once what it finds out by itself about half a minute
+later; ``revive_node`` starts its ``slurmd`` again and returns it to service.
+
+The directory's name holds the creating process's pid: a cluster left running by a test process
+that died is stopped by the next one (``remove_stale``), never a live process's.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ NODES = ("n1", "n2", "n3")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED")
 PARTITION = "debug"
+PREFIX = "undying-slurm-"
 # Seconds slurmctld waits for a silent slurmd before it marks the node DOWN: a step with a lost node
 # (srun --no-kill) ends that long after the node died. Short here; Slurm's default is 300.
 SLURMD_TIMEOUT = 6
@@ -75,7 +80,7 @@ class SlurmCluster:
     """munged, slurmctld and a slurmd per node, started in ``root``; ``close`` stops them all."""
 
     def __init__(self, root: Path | None = None) -> None:
-        self.root = root or Path(tempfile.mkdtemp(prefix="undying-slurm-"))
+        self.root = root or Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
         self.own_root = root is None
         self.munge_socket = self.root / "munge" / "munge.socket"
         self.conf = self.root / "slurm.conf"
@@ -88,6 +93,7 @@ class SlurmCluster:
         reason = why_unavailable()
         if reason:
             raise SlurmUnavailable(reason)
+        remove_stale()
         for sub in ("munge", "state", "spool"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         key = self.root / "munge" / "munge.key"
@@ -107,12 +113,17 @@ class SlurmCluster:
 
     def close(self) -> None:
         """Cancel every job, then stop the daemons (SIGTERM, then SIGKILL) and remove the directory."""
-        if self.conf.exists():
-            subprocess.run(["scancel", "--full", "--signal=KILL", f"--partition={PARTITION}"], env=self.env(),
-                           capture_output=True, timeout=30)
-            subprocess.run(["scancel", f"--partition={PARTITION}"], env=self.env(), capture_output=True, timeout=30)
-        pids = [pid for pid in (self._pid(f"slurmd-{node}.pid") for node in NODES) if pid]
-        pids += [pid for pid in (self._pid("slurmctld.pid"), self._pid("munge/munged.pid")) if pid]
+        ours = [pid for pid in (self._pid(f"slurmd-{node}.pid") for node in NODES) if pid]
+        ours += [pid for pid in (self._pid("slurmctld.pid"), self._pid("munge/munged.pid")) if pid]
+        # A pid file may outlive its daemon (a stale cluster): only a process started on our files is ours.
+        pids = [pid for pid in ours if str(self.root) in command_line(pid)]
+        if self.conf.exists() and pids:
+            for command in (["scancel", "--full", "--signal=KILL", f"--partition={PARTITION}"],
+                            ["scancel", f"--partition={PARTITION}"]):
+                try:
+                    subprocess.run(command, env=self.env(), capture_output=True, timeout=30)
+                except subprocess.TimeoutExpired:
+                    break
         for pid in pids:
             _signal(pid, signal.SIGTERM)
         deadline = time.time() + 10
@@ -253,6 +264,15 @@ class SlurmCluster:
                          "RealMemory=1000 State=UNKNOWN")
         lines.append(f"PartitionName={PARTITION} Nodes=n[1-{len(NODES)}] Default=YES MaxTime=INFINITE State=UP")
         return "\n".join(lines) + "\n"
+
+
+def remove_stale() -> None:
+    """Stop the daemons of clusters whose creating process is gone, and remove their directories."""
+    for root in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        creator = root.name[len(PREFIX):].split("-")[0]
+        if creator.isdigit() and not _alive(int(creator)):
+            SlurmCluster(root).close()
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def processes_with_env(*entries: str) -> list[int]:
