@@ -9,8 +9,9 @@ lease expires, another node's candidate wins, loads the saved state and carries 
 a running generation keeps running, the dead node is lost like any other node and
 recovered by the job's strategy chain. Agents and workers find the controller, and
 the store of each new generation, through etcd, so rank 0 and the controller's node
-are recoverable like any other. Stopping one node's ``undying run`` never ends the
-job (``undying stop`` does); its exit code is the job's outcome as saved in etcd.
+are recoverable like any other. SIGTERM to one node's ``undying run`` is that node's planned
+leave (``--sigterm leave``), or asks for the whole job's graceful stop (``--sigterm stop``, the
+default in a Slurm step), as ``undying stop`` does; its exit code is the job's outcome as saved in etcd.
 """
 
 from __future__ import annotations
