@@ -83,7 +83,8 @@ def run_sbatch(args: argparse.Namespace) -> int:
         reason = " ".join(done.stderr.split()) or f"exit code {done.returncode}"
         raise SlurmError(f"sbatch refused {path}: {reason}")
     job_id = done.stdout.strip().split(";")[0]
-    print(f"undying: submitted batch job {job_id} ({job.nodes} nodes + {job.standby} spares; script {path}, "
+    spares = f" + {job.standby} spare{'s' * (job.standby != 1)}" if job.standby else ""
+    print(f"undying: submitted batch job {job_id} ({job.nodes} node{'s' * (job.nodes != 1)}{spares}; script {path}, "
           f"output {args.output.replace('%j', job_id)})")
     return 0
 
