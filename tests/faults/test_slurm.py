@@ -106,10 +106,15 @@ def job_env(mark: str, cluster: SlurmCluster) -> dict[str, str]:
     return cluster.env({**os.environ, MARK_ENV: mark, "PYTHONUNBUFFERED": "1"})
 
 
+# Each step sleeps a little (the numbers are unchanged, so the fault-free reference holds): the
+# fault lands mid-run however fast the machine trains.
+STEP_SLEEP = ["--step-sleep", "0.2"]
+
+
 def sbatch_command(workdir: Path, spec: str, options: list[str]) -> list[str]:
     (workdir / "job.yaml").write_text(spec)
     return [sys.executable, "-m", "undying.cli", "slurm", "sbatch", "job.yaml", *options, "--",
-            str(EXAMPLE), "--steps", str(STEPS), "--final-state", "final_state.pt"]
+            str(EXAMPLE), "--steps", str(STEPS), "--final-state", "final_state.pt", *STEP_SLEEP]
 
 
 def submit(cluster: SlurmCluster, workdir: Path, spec: str, options: list[str]) -> SlurmJob:
