@@ -35,6 +35,7 @@ def test_outside_a_step_there_is_no_step() -> None:
     assert SlurmStep.from_environ({}) is None
     batch_script = {k: v for k, v in step_environ(0).items() if k != "SLURM_STEP_ID"}
     assert SlurmStep.from_environ(batch_script) is None  # the batch script itself is no step
+    assert SlurmStep.from_environ({**step_environ(0), "UNDYING_SLURM": "0"}) is None  # asked to ignore it
 
 
 def test_a_step_is_read_from_its_environment() -> None:
@@ -121,6 +122,7 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> list[LaunchOptions]:
     monkeypatch.setattr("undying.launcher.launch", launch)
     monkeypatch.setattr("undying.slurm.launch.node_address", lambda name: {"gpu-01": "10.0.0.1"}.get(name, name))
     monkeypatch.delenv("UNDYING_TOKEN", raising=False)
+    monkeypatch.delenv("UNDYING_SLURM", raising=False)
     for name in list(os.environ):
         if name.startswith("SLURM_"):
             monkeypatch.delenv(name)

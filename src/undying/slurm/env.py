@@ -2,7 +2,9 @@
 
 Runs in ``undying run`` (the CLI process) on every node of a step that ``srun`` started with one
 task per node. Outside a step (no ``SLURM_STEP_ID``: a login node, the batch script itself, a
-machine without Slurm) ``SlurmStep.from_environ`` returns None and nothing here is used.
+machine without Slurm), and in one with ``UNDYING_SLURM=0`` (a shell that ``srun --pty`` started,
+where ``undying run`` is to simulate its nodes as anywhere else), ``SlurmStep.from_environ``
+returns None and nothing here is used.
 
 - the step's nodes: ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``), expanded as
   ``scontrol show hostnames`` does (``hostlist.py``); this node's index in it: ``SLURM_NODEID``;
@@ -33,6 +35,7 @@ ENV_STEP_NUM_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES")
 ENV_STEP_NUM_TASKS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
 ENV_SUBMIT_DIR = "SLURM_SUBMIT_DIR"
 ENV_RESTART_COUNT = "SLURM_RESTART_COUNT"  # how often the job was requeued (absent: never)
+ENV_USE_SLURM = "UNDYING_SLURM"  # "0": ignore the step
 
 # The controller's port: CONTROLLER_PORT_BASE + job id mod CONTROLLER_PORT_SPAN (20000-29999),
 # below Linux's ephemeral range (32768-60999), so no outgoing connection of the node holds it;
@@ -62,7 +65,7 @@ class SlurmStep:
     def from_environ(cls, environ: Mapping[str, str]) -> SlurmStep | None:
         """The step this process runs in, or None outside one; ``SlurmEnvError`` when its variables
         contradict each other."""
-        if not environ.get(ENV_JOB_ID) or ENV_STEP_ID not in environ:
+        if not environ.get(ENV_JOB_ID) or ENV_STEP_ID not in environ or environ.get(ENV_USE_SLURM) == "0":
             return None
         job_id = environ[ENV_JOB_ID]
         if not job_id.isdigit():
