@@ -224,10 +224,15 @@ def _run_controller_node(options: LaunchOptions, terminal: Terminal) -> int:
     # `undying status RUN_DIR` finds the controller and its token here while the job runs.
     write_controller_files(options.run_dir, ControllerRecord(agents.controller_address, job_id, os.getpid()), token)
 
+    signals_received: list[str] = []
+
     def on_signal(signum: int, frame: object) -> None:
         # The first signal stops the job after its newest committed step is persisted; another, at once.
+        # Another to this process: in a Slurm step every node gets the signal, and another node's
+        # request for the same stop may reach the controller before this one.
         name = signal.Signals(signum).name
-        at_once = controller.machine.stop_requested is not None
+        at_once = bool(signals_received)
+        signals_received.append(name)
         if not options.quiet and not at_once and controller.state is JobState.RUNNING:
             print(f"[undying] {name}: stopping once the newest step is persisted ({name} again: at once)",
                   file=sys.stderr, flush=True)
