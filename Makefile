@@ -21,6 +21,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	@scripts/ensure-etcd.sh
 	@scripts/ensure-tmux.sh
+	@scripts/ensure-slurm.sh
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests
 
 lint: $(STAMP)

@@ -8,6 +8,14 @@ a generation's workers, stops them, or exits. Workers share the agent's process 
 die with it, as on a real node. A spare agent
 (``--standby``) holds no ranks until the controller orders it to adopt a lost
 node's place; it then says hello as that node and serves its ranks.
+
+SIGTERM or SIGINT (``--sigterm``): ``leave`` (outside Slurm) is a planned leave: the agent tells
+the controller the node is leaving, then stops its workers and exits. ``stop`` (in a Slurm step,
+where a time limit or a preemption signals every task at once) asks the controller for the
+graceful stop of the whole job and keeps the workers, which ignore the signal, running until the
+controller's exit order (at most ``stop_timeout`` and a margin); a second signal stops at once.
+An agent exits with the job's outcome as the controller's exit order gives it (0 succeeded,
+1 failed, 75 stopped, 130 cancelled), as node 0's ``undying run`` does.
 """
 
 from __future__ import annotations
@@ -25,15 +33,24 @@ from pathlib import Path
 from undying.client import ControllerClient, ControllerUnreachable, Unauthorized, parse_address
 from undying.config import JobSpec, spec_from_json, spec_to_dict
 from undying.console_streams import ConsoleStreams
+from undying.launch_options import SigtermAction
 from undying.locate import locator_from_env
 from undying.log_tail import read_tail
 from undying.output_relay import OutputRelay, PipeSink
-from undying.procs import WorkerProcess, available_memory, die_with_parent, signal_name, stop_processes
+from undying.procs import (
+    WorkerProcess,
+    available_memory,
+    child_setup,
+    die_with_parent,
+    signal_name,
+    stop_processes,
+)
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
     ROUTE_AGENT_LEAVE,
     ROUTE_AGENT_POLL,
     ROUTE_AGENT_REPORT,
+    ROUTE_JOB_STOP,
     AgentHello,
     AgentLeave,
     AgentPoll,
@@ -70,6 +87,10 @@ LEAVE_TIMEOUT = 3.0
 # 128 + SIGTERM, what a pod killed by SIGTERM reports; the rendered Kubernetes policies recreate
 # such a pod (docs/kubernetes.md's exit-code table).
 EXIT_NODE_LEFT = 143
+# With --sigterm stop: how much longer than stop_timeout the agent waits for the controller's exit
+# order after it asked for the stop, before it stops its workers itself (the controller is gone).
+STOP_MARGIN_S = 10.0
+EXIT_CANCELLED = 130  # the job's exit code when it was cancelled (controller/state.py)
 
 
 class AgentStopped(Exception):
@@ -91,6 +112,7 @@ class Agent:
         spare: bool = False,
         log_dir: Path | None = None,
         relay: OutputRelay | None = None,
+        sigterm: SigtermAction = SigtermAction.LEAVE,
     ) -> None:
         self.node = node
         self.spare = spare  # a standby node until it adopts a lost node's place
@@ -119,6 +141,9 @@ class Agent:
         self.stopped_workers = StoppedWorkers()
         self._stopping = False
         self._leaving: str | bool = False  # the signal that stopped this agent before the job ended
+        self.sigterm = sigterm  # what SIGTERM/SIGINT do: a planned leave, or the job's graceful stop
+        self._stop_asked_at: float | None = None  # --sigterm stop: when the first signal asked for it
+        self._last_signal = ""
 
     @property
     def controller_address(self) -> str:
@@ -136,6 +161,9 @@ class Agent:
             threading.Thread(target=self._watch_stopped, name="watch-stopped", daemon=True).start()
             return self._loop()
         except AgentStopped:
+            if self._stop_asked_at is not None:
+                self._ask_stop(f"{self._last_signal} again", at_once=True)
+                return EXIT_CANCELLED
             self._announce_leave()
             return EXIT_NODE_LEFT if self._leaving else 0
         except ControllerUnreachable:
@@ -154,9 +182,31 @@ class Agent:
                 remove_node_dir(self.job_id, self.node)  # this node's T1 snapshots end with the job
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        self._leaving = not self._stopping and signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if self.sigterm is SigtermAction.STOP and self._stop_asked_at is None and not self._stopping:
+            # Not here: the main thread may be inside a request; a thread asks on its own connection.
+            self._stop_asked_at = time.monotonic()
+            threading.Thread(target=self._ask_stop, args=(name,), name="ask-stop", daemon=True).start()
+            return
+        self._leaving = self._stop_asked_at is None and not self._stopping and name
+        self._last_signal = name
         self._stopping = True
         raise AgentStopped()
+
+    def _ask_stop(self, signal_name: str, at_once: bool = False) -> None:
+        """--sigterm stop: ask the controller to stop the job, after persisting its newest step or
+        (``at_once``) now. The workers keep running until its exit order."""
+        what = "at once" if at_once else "once the newest step is persisted"
+        print(f"undying agent {self.node}: {signal_name}: asking the controller to stop the job {what}"
+              f"{'' if at_once else ' (the signal again: at once)'}", file=sys.stderr, flush=True)
+        client = ControllerClient(self.controller_address, self.token, timeout=LEAVE_TIMEOUT, locator=self.locator)
+        try:
+            client.post(ROUTE_JOB_STOP, {"reason": f"{signal_name} to node {self.node}'s undying run",
+                                         "now": at_once})
+        except (ControllerUnreachable, Unauthorized) as error:
+            print(f"undying agent {self.node}: could not ask for the stop: {error}", file=sys.stderr, flush=True)
+        finally:
+            client.close()
 
     def _announce_leave(self) -> None:
         """Stopped by a signal (a preempted or drained pod gets SIGTERM): tell the controller before the
@@ -229,6 +279,11 @@ class Agent:
                     return EXIT_NODE_LEFT
                 time.sleep(min(1.0, self.spec.monitor_interval))
                 continue
+            if self._stop_asked_at is not None and order.kind != OrderKind.EXIT \
+                    and time.monotonic() - self._stop_asked_at > self.spec.stop_timeout + STOP_MARGIN_S:
+                print(f"undying agent {self.node}: no exit order within stop_timeout "
+                      f"({self.spec.stop_timeout:g} s) of the stop: stopping", file=sys.stderr, flush=True)
+                return EXIT_CANCELLED
             if order.reason == "hello" and order.kind != OrderKind.EXIT:
                 self._stop_workers(grace=0.0)
                 self._hello()
@@ -243,7 +298,7 @@ class Agent:
             elif order.kind == OrderKind.EXIT:
                 self._stopping = True
                 self._stop_workers(grace=self._grace() if self._any_running() else 0.0)
-                return 0
+                return max(order.exit_code, 0)  # the job's outcome (-1 from a controller that does not say)
 
     def _adopt(self, node: int) -> None:
         """Become ``node`` (a rescheduled pod landing on this spare): its ranks are started next."""
@@ -333,8 +388,8 @@ class Agent:
             if process is None:
                 logs.note("the warm standby is gone: started as a plain python process")
         if process is None:
-            process = subprocess.Popen(self.command, env=env, stdout=logs.stdout,
-                                       stderr=logs.stderr or subprocess.STDOUT, preexec_fn=die_with_parent)
+            process = subprocess.Popen(self.command, env=env, stdout=logs.stdout, stderr=logs.stderr or subprocess.STDOUT,
+                                       preexec_fn=child_setup(self.sigterm is SigtermAction.STOP))
         logs.started()
         # Its generation first: the reporting threads read both for every rank in ``workers``.
         self.worker_generations[rank] = order.generation
@@ -400,7 +455,8 @@ class Agent:
         if self.standby is None and self.standby_due is not None and time.monotonic() >= self.standby_due \
                 and can_serve(self.command) and self._memory_for_standby():
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self.standby = WarmStandby(self.log_dir / f"standby{self.node}.log")
+            self.standby = WarmStandby(self.log_dir / f"standby{self.node}.log",
+                                       ignore_stop_signals=self.sigterm is SigtermAction.STOP)
             self.standby_due = None
 
     def _memory_for_standby(self) -> bool:
@@ -435,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--console-fd", type=int, help="a pipe to undying run: workers' lines for its console")
     parser.add_argument("--console-streams", default="",
                         help="the streams each local rank shows on the console (console_streams.py)")
+    parser.add_argument("--sigterm", choices=[action.value for action in SigtermAction], default=SigtermAction.LEAVE,
+                        help="SIGTERM/SIGINT: leave the job, or stop it after persisting its newest step")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if os.environ.get(ENV_DIE_WITH_PARENT) == "1":
@@ -445,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     relay = None if console is None else OutputRelay(console, ConsoleStreams.from_text(args.console_streams))
     agent = Agent(args.node, spec, args.controller, os.environ[ENV_TOKEN], Path(args.run_dir), command,
                   os.environ.get(ENV_INJECT, ""), spare=args.standby,
-                  log_dir=Path(args.log_dir) if args.log_dir else None, relay=relay)
+                  log_dir=Path(args.log_dir) if args.log_dir else None, relay=relay,
+                  sigterm=SigtermAction(args.sigterm))
     try:
         return agent.run()
     finally:

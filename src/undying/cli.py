@@ -1,4 +1,4 @@
-"""The ``undying`` command: run, demo, report, status, k8s render.
+"""The ``undying`` command: run, demo, report, status, stop, k8s render, slurm sbatch.
 
 Runs in the user's shell process. Every bad input ends in one line
 ``undying: error: ...`` and exit code 2, before anything is started or written.
@@ -20,6 +20,8 @@ from undying import __version__
 from undying.config import SpecError, load_job_spec, recover_strategy_overrides
 from undying.console_streams import StreamOptionError, console_streams
 from undying.inject import InjectionSpecError, check_targets, encode, parse_injections
+from undying.slurm.env import SlurmStep
+from undying.slurm.errors import SlurmError
 from undying.torchrun_flags import FlagError, add_torchrun_arguments, controller_flags, nproc_per_node
 
 EXIT_USAGE = 2
@@ -100,11 +102,26 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--module", action="store_true", help="SCRIPT is a Python module (python -m)")
     parser.add_argument("--no-python", action="store_true", help="run SCRIPT as an executable, not via python")
     parser.add_argument("--quiet", action="store_true", help="do not print job events or the progress line")
+    parser.add_argument("--sigterm", choices=["leave", "stop"], default=None,
+                        help="SIGTERM/SIGINT to a node other than node 0: leave (the node leaves the job: a spare "
+                             "takes its place or elastic training shrinks; the default) or stop (the whole job "
+                             "stops once its newest step is persisted, exit 75; the default in a Slurm step, "
+                             "whose time limit or preemption signals every node). Node 0 always stops the job")
     add_torchrun_arguments(parser)
     parser.add_argument("--pod-labels", metavar="FILE", help="Kubernetes: the pod's labels (a Downward API file); "
                         "the seeds' keys (process-recover-enable, ...) override the spec")
     parser.add_argument("--pod-annotations", metavar="FILE", help="Kubernetes: the pod's annotations (a Downward "
                         "API file); recover-strategy and wait-reschedule-timeout override the spec")
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """How ``status`` and ``stop`` find a running job (``_job_controller``)."""
+    parser.add_argument("run_dir", nargs="?", help="the run directory of a job started here (its controller "
+                        "and token are found in it)")
+    parser.add_argument("--controller", help="HOST:PORT of the controller")
+    parser.add_argument("--etcd", metavar="HOST:PORT[,...]", help="a failover job: find its leader in etcd")
+    parser.add_argument("--job-name", help="with --etcd: the job's name")
+    parser.add_argument("--token-file", help="the job's token (default with RUN_DIR: the one kept there)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,20 +143,27 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--png", help="PNG path (default RUN_DIR/report.png)")
     status = commands.add_parser("status", help="show a running job: a table of its nodes and ranks "
                                  "(--watch: redrawn in place), or its /status as JSON")
-    status.add_argument("run_dir", nargs="?", help="the run directory of a job started here (its controller "
-                        "and token are found in it)")
-    status.add_argument("--controller", help="HOST:PORT of the controller")
-    status.add_argument("--etcd", metavar="HOST:PORT[,...]", help="a failover job: find its leader in etcd")
-    status.add_argument("--job-name", help="with --etcd: the job's name")
-    status.add_argument("--token-file", help="the job's token (default with RUN_DIR: the one kept there)")
+    add_job_arguments(status)
     status.add_argument("--watch", action="store_true", help="redraw the table in place until the job ends")
     status.add_argument("--interval", type=float, default=1.0, help="with --watch: seconds between redraws")
     status.add_argument("--json", action="store_true", help="print the controller's /status as JSON, once")
+    stop = commands.add_parser("stop", help="stop a running job once every rank persisted its newest step "
+                               "(exit 75: run it again to resume there), or at once with --now")
+    add_job_arguments(stop)
+    stop.add_argument("--now", action="store_true", help="cancel at once (exit 130); the newest durable checkpoint "
+                      "is then the last periodic one")
+    stop.add_argument("--reason", default=None, help="why, for the job's log (default: who asked, from where)")
     k8s = commands.add_parser("k8s", help="Kubernetes: render a job's manifests")
     k8s_commands = k8s.add_subparsers(dest="k8s_command", required=True, parser_class=OneLineParser)
     from undying.k8s.command import add_render_arguments
 
     add_render_arguments(k8s_commands.add_parser("render", help="write the manifests of a job for a cluster engine"))
+    slurm = commands.add_parser("slurm", help="Slurm: write or submit a job's batch script")
+    slurm_commands = slurm.add_subparsers(dest="slurm_command", required=True, parser_class=OneLineParser)
+    from undying.slurm.command import add_sbatch_arguments
+
+    add_sbatch_arguments(slurm_commands.add_parser(
+        "sbatch", help="write (or with --submit, submit) the batch script that runs the job on N nodes + K spares"))
     return parser
 
 
@@ -170,9 +194,12 @@ def worker_command(args: argparse.Namespace) -> list[str]:
 
 
 def command_run(args: argparse.Namespace) -> int:
-    from undying.launch_options import LaunchOptions
+    from undying.launch_options import LaunchOptions, SigtermAction
     from undying.launcher import launch
 
+    if args.standby < 0:
+        fail(f"--standby: allowed 0 or more spare nodes (got {args.standby})")
+    step = None if args.standalone else _slurm_step()
     overrides: dict[str, Any] = parse_set(args.set)
     if args.nnodes is not None:
         overrides["min_nodes"], overrides["nnodes"] = parse_nnodes(args.nnodes)
@@ -188,6 +215,11 @@ def command_run(args: argparse.Namespace) -> int:
     overrides["checkpoint.interval"] = args.checkpoint_interval
     try:
         spec = load_job_spec(args.config, overrides)
+        if step is not None:
+            from undying.slurm.launch import place_in_step
+
+            spec = place_in_step(args, step, spec, lambda nnodes: load_job_spec(args.config, {**overrides,
+                                                                                              "nnodes": nnodes}))
         if args.pod_labels or args.pod_annotations:
             from undying.k8s.labels import apply_pod_metadata_files
 
@@ -196,7 +228,7 @@ def command_run(args: argparse.Namespace) -> int:
         check_targets(injections, spec.world_size, spec.nnodes)
         streams = console_streams(spec.nproc_per_node, args.redirects, args.tee, args.local_ranks_filter)
         args.controller, args.controller_bind = controller_flags(args, spec.nnodes)
-    except (SpecError, InjectionSpecError, StreamOptionError, FlagError) as error:
+    except (SpecError, InjectionSpecError, StreamOptionError, FlagError, SlurmError) as error:
         fail(str(error))
     if args.log_dir is not None and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
         fail(f"--log-dir: allowed a directory (got {args.log_dir!r}, a file)")
@@ -206,8 +238,6 @@ def command_run(args: argparse.Namespace) -> int:
         except OSError as error:
             fail(f"compile_cache: allowed a directory this node can create and write (got "
                  f"{spec.compile_cache!r}: {error.strerror})")
-    if args.standby < 0:
-        fail(f"--standby: allowed 0 or more spare nodes (got {args.standby})")
     spare_node = args.node_rank is not None and args.standby > 0
     if spare_node and args.node_rank < spec.nnodes:
         fail(f"--node-rank: a spare node (--standby) needs a node rank >= nnodes ({spec.nnodes}), "
@@ -232,12 +262,21 @@ def command_run(args: argparse.Namespace) -> int:
         node_rank=args.node_rank, controller_address=args.controller, controller_bind=args.controller_bind,
         token=read_token(args.token_file), injections_text=encode(injections), quiet=args.quiet,
         standby_agents=args.standby, etcd=args.etcd, job_name=args.job_name, lease_ttl=args.lease_ttl,
-        log_dir=Path(args.log_dir) if args.log_dir else None, console_streams=streams)
+        log_dir=Path(args.log_dir) if args.log_dir else None, console_streams=streams,
+        sigterm=SigtermAction(args.sigterm or ("stop" if step is not None else "leave")))
     code = launch(options)
     # The interpreter's shutdown would otherwise spend a final GC over torch's object graph (the
     # store imported it), at the end of every job; nothing left is garbage worth that.
     gc.freeze()
     return code
+
+
+def _slurm_step() -> SlurmStep | None:
+    """The Slurm step this ``undying run`` is a task of (``slurm/env.py``), or None outside one."""
+    try:
+        return SlurmStep.from_environ(os.environ)
+    except SlurmError as error:
+        fail(f"Slurm step: {error}")
 
 
 def command_report(args: argparse.Namespace) -> int:
@@ -258,33 +297,12 @@ def command_report(args: argparse.Namespace) -> int:
 
 def command_status(args: argparse.Namespace) -> int:
     from undying.client import ControllerClient, ControllerUnreachable, Unauthorized
-    from undying.locate import locate_controller
 
     if args.json and args.watch:
         fail("--json prints the status once; --watch redraws a table: choose one")
     if not args.interval > 0:
         fail(f"--interval: allowed seconds > 0 (got {args.interval})")
-    locator = None
-    token: str | None
-    if args.run_dir is not None:
-        address, token, locator = _run_dir_controller(Path(args.run_dir), args.token_file)
-    elif args.controller is not None:
-        if args.token_file is None and not os.environ.get("UNDYING_TOKEN"):
-            fail("--token-file: required with --controller (or give the job's RUN_DIR instead)")
-        address, token = args.controller, read_token(args.token_file)
-    elif args.etcd and args.job_name:
-        if args.token_file is None and not os.environ.get("UNDYING_TOKEN"):
-            fail("--token-file: required with --etcd")
-        etcd, job_name = args.etcd, args.job_name
-        token = read_token(args.token_file)
-        located = locate_controller(etcd, job_name)
-        if located is None:
-            print(f"undying: error: no leader of job {job_name} in etcd {etcd}", file=sys.stderr)
-            return 1
-        address, locator = located, (lambda: locate_controller(etcd, job_name))
-    else:
-        fail("status: give the job's RUN_DIR, or --controller HOST:PORT, or --etcd HOST:PORT with --job-name")
-    assert token is not None
+    address, token, locator = _job_controller(args, "status")
     client = ControllerClient(address, token, locator=locator)
     try:
         if args.json:
@@ -310,6 +328,60 @@ def command_status(args: argparse.Namespace) -> int:
         return 0
     finally:
         client.close()
+
+
+def command_stop(args: argparse.Namespace) -> int:
+    """Ask a running job's controller to stop it (POST /v1/job/stop)."""
+    import socket
+
+    from undying.client import ControllerClient, ControllerUnreachable, Unauthorized
+    from undying.protocol import ROUTE_JOB_STOP
+
+    address, token, locator = _job_controller(args, "stop")
+    reason = args.reason or f"undying stop{' --now' if args.now else ''} by {os.environ.get('USER', 'a user')} " \
+                            f"on {socket.gethostname()}"
+    client = ControllerClient(address, token, locator=locator)
+    try:
+        client.post(ROUTE_JOB_STOP, {"reason": reason, "now": args.now})
+    except (ControllerUnreachable, Unauthorized) as error:
+        ended = _job_end(Path(args.run_dir)) if args.run_dir is not None else None
+        if ended is not None:
+            print(f"undying: the job ended: {ended.details.get('outcome')}: {ended.details.get('message')}")
+            return 0
+        print(f"undying: error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(f"undying: the job at {client.address} stops " + ("now (cancelled, exit 130)" if args.now else
+          "once every rank persisted its newest step (exit 75: run it again to resume there)"))
+    return 0
+
+
+def _job_controller(args: argparse.Namespace, command: str) -> tuple[str, str, Any]:
+    """The controller address, token and (a failover job) leader locator that ``status`` or ``stop``
+    was pointed at: a run directory, --controller, or --etcd with --job-name."""
+    from undying.locate import locate_controller
+
+    if args.run_dir is not None:
+        return _run_dir_controller(Path(args.run_dir), args.token_file)
+    if args.controller is not None:
+        if args.token_file is None and not os.environ.get("UNDYING_TOKEN"):
+            fail("--token-file: required with --controller (or give the job's RUN_DIR instead)")
+        token = read_token(args.token_file)
+        assert token is not None
+        return args.controller, token, None
+    if args.etcd and args.job_name:
+        if args.token_file is None and not os.environ.get("UNDYING_TOKEN"):
+            fail("--token-file: required with --etcd")
+        etcd, job_name = args.etcd, args.job_name
+        token = read_token(args.token_file)
+        assert token is not None
+        located = locate_controller(etcd, job_name)
+        if located is None:
+            print(f"undying: error: no leader of job {job_name} in etcd {etcd}", file=sys.stderr)
+            raise SystemExit(1)
+        return located, token, lambda: locate_controller(etcd, job_name)
+    fail(f"{command}: give the job's RUN_DIR, or --controller HOST:PORT, or --etcd HOST:PORT with --job-name")
 
 
 def _job_end(run_dir: Path) -> Any:
@@ -365,8 +437,17 @@ def main(argv: list[str] | None = None) -> int:
         return command_report(args)
     if args.command == "status":
         return command_status(args)
+    if args.command == "stop":
+        return command_stop(args)
     if args.command == "k8s":
         return command_k8s_render(args)
+    if args.command == "slurm":
+        from undying.slurm.command import run_sbatch
+
+        try:
+            return run_sbatch(args)
+        except (SpecError, SlurmError) as error:
+            fail(str(error))
     fail(f"unknown command {args.command!r}")
 
 

@@ -9,8 +9,9 @@ lease expires, another node's candidate wins, loads the saved state and carries 
 a running generation keeps running, the dead node is lost like any other node and
 recovered by the job's strategy chain. Agents and workers find the controller, and
 the store of each new generation, through etcd, so rank 0 and the controller's node
-are recoverable like any other. Stopping one node's ``undying run`` never ends the
-job (``undying stop`` does); its exit code is the job's outcome as saved in etcd.
+are recoverable like any other. SIGTERM to one node's ``undying run`` is that node's planned
+leave (``--sigterm leave``), or asks for the whole job's graceful stop (``--sigterm stop``, the
+default in a Slurm step), as ``undying stop`` does; its exit code is the job's outcome as saved in etcd.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def run_ha_node(options: LaunchOptions, terminal: Terminal) -> int:
         return 1
     agent = Agent(options.node_rank, options.spec, address, options.token, options.run_dir, options.command,
                   options.injections_text, spare=options.standby_agents > 0, log_dir=options.worker_log_dir,
-                  relay=OutputRelay(terminal, options.streams()))
+                  relay=OutputRelay(terminal, options.streams()), sigterm=options.sigterm)
     agent_code = agent.run()
     candidate.stop.set()
     candidate.join()

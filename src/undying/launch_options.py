@@ -7,10 +7,22 @@ Runs in the ``undying run`` process. Built by the CLI and read by the launcher
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from undying.config import JobSpec
 from undying.console_streams import ConsoleStreams
+
+
+class SigtermAction(StrEnum):
+    """What SIGTERM (or SIGINT) to the ``undying run`` of a node that does not host the controller does
+    (``--sigterm``); node 0's always stops the job gracefully."""
+
+    LEAVE = "leave"  # the node leaves the job: a spare takes its place, or elastic training shrinks
+    # The whole job stops once every rank persisted its newest committed step (POST /v1/job/stop), and
+    # the node's workers ignore the signal: a Slurm step's time limit or preemption signals every task
+    # (and, under most process trackers, every process) of the step at once.
+    STOP = "stop"
 
 
 @dataclass
@@ -36,6 +48,7 @@ class LaunchOptions:
     # Which streams of each local rank the console shows (--redirects, --tee, --local-ranks-filter);
     # None: every stream of every rank.
     console_streams: ConsoleStreams | None = None
+    sigterm: SigtermAction = SigtermAction.LEAVE  # --sigterm: the agent's answer to SIGTERM/SIGINT
 
     @property
     def worker_log_dir(self) -> Path:

@@ -83,7 +83,7 @@ class LocalAgents:
         command = [sys.executable, "-m", "undying.agent", "--node", str(node),
                    "--controller", self.controller_address, "--run-dir", str(self.options.run_dir),
                    "--log-dir", str(self.options.worker_log_dir), "--console-fd", str(console_write),
-                   "--console-streams", self.options.streams().to_text(),
+                   "--console-streams", self.options.streams().to_text(), "--sigterm", self.options.sigterm,
                    *(["--standby"] if spare else []), "--", *self.options.command]
         log = open(self.options.worker_log_dir / f"agent{node}.log", "ab")  # noqa: SIM115 - child's
         try:
@@ -224,10 +224,15 @@ def _run_controller_node(options: LaunchOptions, terminal: Terminal) -> int:
     # `undying status RUN_DIR` finds the controller and its token here while the job runs.
     write_controller_files(options.run_dir, ControllerRecord(agents.controller_address, job_id, os.getpid()), token)
 
+    signals_received: list[str] = []
+
     def on_signal(signum: int, frame: object) -> None:
         # The first signal stops the job after its newest committed step is persisted; another, at once.
+        # Another to this process: in a Slurm step every node gets the signal, and another node's
+        # request for the same stop may reach the controller before this one.
         name = signal.Signals(signum).name
-        at_once = controller.machine.stop_requested is not None
+        at_once = bool(signals_received)
+        signals_received.append(name)
         if not options.quiet and not at_once and controller.state is JobState.RUNNING:
             print(f"[undying] {name}: stopping once the newest step is persisted ({name} again: at once)",
                   file=sys.stderr, flush=True)
@@ -265,5 +270,6 @@ def _run_remote_agent(options: LaunchOptions, terminal: Terminal) -> int:
     assert options.node_rank is not None
     agent = Agent(options.node_rank, options.spec, options.controller_address, options.token,
                   options.run_dir, options.command, options.injections_text, spare=options.standby_agents > 0,
-                  log_dir=options.worker_log_dir, relay=OutputRelay(terminal, options.streams()))
+                  log_dir=options.worker_log_dir, relay=OutputRelay(terminal, options.streams()),
+                  sigterm=options.sigterm)
     return agent.run()

@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 PR_SET_PDEATHSIG = 1
@@ -39,6 +39,39 @@ def die_with_parent() -> None:
         return
 
 
+def ignore_stop_signals() -> None:
+    """Ignore SIGTERM and SIGINT, a disposition a child keeps through fork and exec (a Python program
+    starts with them ignored unless it installs a handler): for the workers of a node whose agent
+    stops the job on these signals (``--sigterm stop``), which Slurm sends every process of a step."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def child_setup(ignore_stop: bool) -> Callable[[], None]:
+    """preexec_fn for an agent's child: dies with its parent, and with ``ignore_stop`` ignores
+    SIGTERM and SIGINT (``ignore_stop_signals``)."""
+    if not ignore_stop:
+        return die_with_parent
+
+    def setup() -> None:
+        ignore_stop_signals()
+        die_with_parent()
+
+    return setup
+
+
+def ignores_sigterm(pid: int) -> bool:
+    """Does process ``pid`` ignore SIGTERM (its SigIgn mask in /proc; False when unreadable)?"""
+    try:
+        with open(f"/proc/{pid}/status") as lines:
+            for line in lines:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
 def signal_name(returncode: int | None) -> str | None:
     """Popen's negative return code -> 'SIGKILL' etc.; None for a normal exit."""
     if returncode is None or returncode >= 0:
@@ -50,13 +83,15 @@ def signal_name(returncode: int | None) -> str | None:
 
 
 def stop_processes(processes: Sequence[WorkerProcess], grace: float) -> None:
-    """SIGTERM (when grace > 0), wait up to ``grace`` s, then SIGKILL whatever is left, and reap all."""
+    """SIGTERM (when grace > 0), wait up to ``grace`` s, then SIGKILL whatever is left, and reap all.
+    A process that ignores SIGTERM (``ignore_stop_signals``, no handler of its own) is not waited for."""
     alive = [p for p in processes if p.poll() is None]
     if grace > 0:
-        for process in alive:
+        waited = [p for p in alive if not ignores_sigterm(p.pid)]
+        for process in waited:
             _send(process, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in alive):
+        while time.monotonic() < deadline and any(p.poll() is None for p in waited):
             time.sleep(0.02)
     for process in alive:
         if process.poll() is None:

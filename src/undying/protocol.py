@@ -207,6 +207,9 @@ class Order(Message):
     # OrderKind.START: the generation's ranks in process-group order; empty means every rank of
     # world_size. Fewer after an elastic shrink (a job restart at the shrunk size).
     members: list[int] = field(default_factory=list)
+    # OrderKind.EXIT: the job's exit code (0 succeeded, 1 failed, 2 refused, 75 stopped, 130
+    # cancelled), which every node's undying run exits with; -1: not the job's end (or not said).
+    exit_code: int = -1
 
 
 @dataclass

@@ -20,7 +20,9 @@ agent is done; any worker still running is killed, and the standby exits.
 
 The standby is single-threaded (so a fork copies no lock another thread holds), ignores SIGINT
 (the agent decides when the node's workers stop), and its children die with it
-(PR_SET_PDEATHSIG), as it dies with the agent.
+(PR_SET_PDEATHSIG), as it dies with the agent. A forked worker gets back the SIGINT and SIGTERM
+dispositions the standby started with, as a ``python`` the agent started would have them (both
+ignored where the agent stops the job on them: ``--sigterm stop``, a Slurm step).
 """
 
 from __future__ import annotations
@@ -157,8 +159,8 @@ def _become_child(wake_read: int, wake_write: int) -> None:
     os.close(wake_read)
     os.close(wake_write)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for signum, disposition in _STARTED_WITH.items():
+        signal.signal(signum, signal.SIG_DFL if disposition is None else disposition)
     die_with_parent()
     if os.getppid() != _STANDBY_PID:  # the standby died before the line above took effect
         os._exit(1)
@@ -201,6 +203,9 @@ def can_serve(command: list[str]) -> bool:
 
 
 _STANDBY_PID = os.getpid()
+# SIGINT's and SIGTERM's dispositions as this interpreter started (before main() ignores SIGINT):
+# Python's KeyboardInterrupt handler and the default, or SIG_IGN where the agent had them ignored.
+_STARTED_WITH = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
 
 
 def main() -> int:

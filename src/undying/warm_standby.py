@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from undying.procs import die_with_parent, stop_processes
+from undying.procs import child_setup, stop_processes
 
 READY_TIMEOUT_S = 300.0  # the standby's imports, on a machine as busy as a job's start makes it
 FORK_TIMEOUT_S = 30.0  # from a request to the forked worker's pid
@@ -55,10 +55,13 @@ class ForkedWorker:
 class WarmStandby:
     """One standby process per agent; ``fork`` returns a new worker, or None when it cannot."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, ignore_stop_signals: bool = False) -> None:
+        # With ``ignore_stop_signals`` the standby, and so each worker it forks, ignores SIGTERM and
+        # SIGINT (procs.ignore_stop_signals): the agent stops the job on them (--sigterm stop).
         with open(log, "ab") as stderr:
             self.process = subprocess.Popen([sys.executable, "-u", "-m", "undying.standby"], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=stderr, preexec_fn=die_with_parent)
+                                            stdout=subprocess.PIPE, stderr=stderr,
+                                            preexec_fn=child_setup(ignore_stop_signals))
         self.ready = threading.Event()
         self.gone = threading.Event()
         self.unsafe: str | None = None

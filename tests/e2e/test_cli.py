@@ -1,12 +1,13 @@
 """The CLI as a user runs it: bad input is one line and exit code 2, nothing started or written;
-a running job refuses clients without its token; a node with another job spec is refused; report
-draws a run."""
+a running job refuses clients without its token and stops on `undying stop`; a node with another
+job spec is refused; report draws a run."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -49,6 +50,9 @@ def cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
         (["run"], "script"),
         (["run", "--bogus-flag", str(EXAMPLE)], "--bogus-flag"),
         (["frobnicate"], "frobnicate"),
+        (["run", "--sigterm", "quit", str(EXAMPLE)], "--sigterm"),
+        (["stop"], "stop: give the job's RUN_DIR"),
+        (["slurm", "sbatch", "no_such_job.yaml", "--nodes", "2", str(EXAMPLE)], "no_such_job.yaml"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
@@ -125,8 +129,15 @@ def test_running_job_refuses_clients_without_token(tmp_path: Path) -> None:
         assert len(refused) >= 13
         assert not any(e.kind == ev.AGENT_REGISTERED and e.details.get("host") == "intruder"
                        for e in read_events(run_dir))
-        # A stop asked through the API: the newest committed step persisted, then exit 75 (resumable).
-        assert _request(address, "POST", "/v1/job/stop", token, {"reason": "test"}) == 200
+        assert cli("stop", "--controller", address, "--token-file", str(wrong)).returncode == 1
+        assert process.poll() is None, "a stop without the token must change nothing"
+        # `undying stop RUN_DIR` (POST /v1/job/stop): the newest committed step persisted, then exit 75.
+        stopped = cli("stop", str(run_dir), "--reason", "test")
+        assert stopped.returncode == 0, stopped.stderr
+        assert "stops once every rank persisted its newest step" in stopped.stdout
+        # The first SIGTERM this process gets asks for the same stop, though the stop was asked
+        # already (under Slurm another node's request may come first): not a cancel.
+        process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=60)
         assert process.returncode == 75, output
         assert "job stopped: stopped (test) with step" in output
@@ -138,6 +149,7 @@ def test_running_job_refuses_clients_without_token(tmp_path: Path) -> None:
     assert not (run_dir / "controller.token").exists()
     ended = cli("status", str(run_dir))
     assert ended.returncode == 1 and "no job running from here" in ended.stderr
+    assert "no job running from here" in cli("stop", str(run_dir)).stderr
 
 
 def test_report_summarizes_and_draws(tmp_path: Path) -> None:

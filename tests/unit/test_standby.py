@@ -1,6 +1,7 @@
 """The node's warm standby (undying/standby.py) and the agent's handle on it (warm_standby.py): a
 forked worker runs its script as ``python script.py`` would, its exit (code or signal) reaches the
-agent, and no worker outlives the standby."""
+agent, no worker outlives the standby, and where the agent stops the job on SIGTERM the standby and
+its workers ignore it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from undying.procs import ignores_sigterm, stop_processes
 from undying.warm_standby import WarmStandby
 
 REPORT = """
@@ -121,3 +123,37 @@ def test_a_standby_with_a_gpu_device_open_is_not_forked_from(tmp_path: Path) -> 
     assert fork_unsafe_reason(str(fds)) is None
     (fds / "4").symlink_to("/dev/nvidiactl")
     assert "nvidiactl" in (fork_unsafe_reason(str(fds)) or "")
+
+
+DISPOSITIONS = """
+import json, signal, sys
+json.dump({"sigint": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+           "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_IGN}, open(sys.argv[1], "w"))
+"""
+
+
+def test_where_the_agent_stops_the_job_on_sigterm_its_standby_and_workers_ignore_it(tmp_path: Path) -> None:
+    """--sigterm stop (a Slurm step signals every process of the step): the standby survives SIGTERM and
+    SIGINT, and a worker it forks starts with both ignored, as a ``python`` started so would;
+    stopping such a worker does not wait out a grace period for a SIGTERM it ignores."""
+    standby = WarmStandby(tmp_path / "standby.log", ignore_stop_signals=True)
+    try:
+        script, report = tmp_path / "report.py", tmp_path / "report.json"
+        script.write_text(DISPOSITIONS)
+        worker = standby.fork(dict(os.environ), [sys.executable, str(script), str(report)], tmp_path / "a.log")
+        assert worker is not None and worker.wait(timeout=60) == 0, (tmp_path / "a.log").read_text()
+        assert json.loads(report.read_text()) == {"sigint": True, "sigterm": True}
+        standby.process.send_signal(signal.SIGTERM)
+        standby.process.send_signal(signal.SIGINT)
+        (tmp_path / "sleep.py").write_text(SLEEP)
+        sleeper = standby.fork(dict(os.environ), [sys.executable, str(tmp_path / "sleep.py")], tmp_path / "b.log")
+        assert sleeper is not None and standby.process.poll() is None
+        wait_for(lambda: says_up(tmp_path / "b.log"))
+        assert ignores_sigterm(sleeper.pid)
+        sent: list[int] = []
+        original = sleeper.send_signal
+        sleeper.send_signal = lambda signum: (sent.append(signum), original(signum))  # type: ignore[method-assign]
+        stop_processes([sleeper], grace=600.0)
+        assert sent[0] == signal.SIGKILL and sleeper.poll() == -signal.SIGKILL
+    finally:
+        standby.close()

@@ -418,7 +418,7 @@ class JobMachine:
         self.message = message
         self.finished_at = now
         self.recovery = None
-        self.order_all(Order(kind=OrderKind.EXIT, generation=self.generation, reason=message))
+        self.order_all(Order(kind=OrderKind.EXIT, generation=self.generation, reason=message, exit_code=exit_code))
         self.emit(ev.JOB_END, generation=self.generation, step=self.membership.committed_step(),
                   details={"outcome": state.value, "exit_code": exit_code, "message": message,
                            "recoveries": self.restart_count, "job_restarts": self.job_restarts})
