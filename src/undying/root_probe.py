@@ -21,7 +21,7 @@ from pathlib import Path
 from undying.config import JobSpec
 from undying.strategy_names import StrategyName
 
-PROBE_DIR = ".undying-probe"
+PROBE_PREFIX = ".undying-probe-"  # a probe is a file of the root itself: nothing is left once it is taken
 FIX = ("set --checkpoint-dir (checkpoint.dir) to a directory on storage every node mounts, or to an "
        "fsspec URL (s3://...), or opt out of T2 with --set checkpoint.persist=false")
 
@@ -36,14 +36,15 @@ def writes_t2(spec: JobSpec) -> bool:
     return spec.checkpoint.persist or (spec.process_recover and StrategyName.DUMP in spec.recover_strategy)
 
 
-def _join(root: str, name: str) -> str:
-    return root + name if root.endswith("/") else f"{root}/{name}"
+def _probe_path(root: str, name: str) -> str:
+    file = PROBE_PREFIX + name
+    return root + file if root.endswith("/") else f"{root}/{file}"
 
 
 def write_probe(root: str) -> tuple[str, str]:
     """Write a probe file under ``root``: (its name, "") or ("", why it could not be written)."""
     name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(8)}"
-    location = _join(_join(root, PROBE_DIR), name)
+    location = _probe_path(root, name)
     try:
         if "://" in root:
             from fsspec.core import url_to_fs
@@ -65,7 +66,7 @@ def write_probe(root: str) -> tuple[str, str]:
 
 def take_probe(root: str, name: str) -> str:
     """Read (and remove) the probe ``name`` under ``root``: "" if it is there as written, else the problem."""
-    location = _join(_join(root, PROBE_DIR), name)
+    location = _probe_path(root, name)
     try:
         if "://" in root:
             from fsspec.core import url_to_fs
@@ -87,7 +88,7 @@ def take_probe(root: str, name: str) -> str:
 
 def remove_probe(root: str, name: str) -> None:
     """The agent's own clean-up of a probe the controller could not see (on a root only it writes)."""
-    location = _join(_join(root, PROBE_DIR), name)
+    location = _probe_path(root, name)
     try:
         if "://" in root:
             from fsspec.core import url_to_fs

@@ -67,9 +67,10 @@ def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert run_dir.name.startswith("standalone-")
     assert f'"final_step": {SAVED_AT + 1}' in (run_dir / "result.json").read_text()
     # The resume below loads it as nanoGPT does (torch.load's weights_only default, in a process where
-    # undying allowlisted int); a tool that does not import undying needs add_safe_globals([int]).
-    with torch.serialization.safe_globals([int]):
-        checkpoint = torch.load(cwd / "out" / "ckpt.pt")
+    # undying allowlisted int); a tool that does not import undying needs add_safe_globals([int]), for
+    # good: the safe_globals context removes int on exit, even where undying had allowlisted it.
+    torch.serialization.add_safe_globals([int])
+    checkpoint = torch.load(cwd / "out" / "ckpt.pt")
     assert checkpoint["iter_num"] == SAVED_AT and type(checkpoint["iter_num"]) is int
     return cwd / "out"
 
@@ -93,8 +94,8 @@ def resumed_reference(saved_checkpoint: Path, tmp_path_factory: pytest.TempPathF
 def test_its_own_resume_continues_from_its_iter_num_with_the_saved_weights_on_every_rank(
         resumed_reference: JobRun, saved_checkpoint: Path) -> None:
     gpt = script_module()
-    with torch.serialization.safe_globals([int]):
-        checkpoint = torch.load(saved_checkpoint / "ckpt.pt")
+    torch.serialization.add_safe_globals([int])
+    checkpoint = torch.load(saved_checkpoint / "ckpt.pt")
     model = gpt.GPT(gpt.GPTConfig(**checkpoint["model_args"]))
     model.load_state_dict(checkpoint["model"])
     saved = undying.param_sha256(model)

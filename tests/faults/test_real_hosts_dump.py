@@ -22,10 +22,11 @@ pytestmark = pytest.mark.faults
 FOUR_HOSTS = ["--nnodes", "4", "--nproc-per-node", "1"]
 PERIODIC_STEP = 10  # BASE_ARGS' checkpoint interval: the older checkpoint the restart must not load
 FAULT_STEP = 15
-# The chain's earlier strategies refuse a lost node (no agent to restart in place, no pod
-# rescheduling); T1 snapshots only at checkpoint steps, so the restart reads the dump from storage.
+# The chain's earlier strategies refuse a lost node (no agent to retry or restart in place; recover
+# is not in the chain, pod rescheduling being off); T1 snapshots only at checkpoint steps, so the
+# restart reads the dump from storage.
 DUMP_AFTER_REFUSALS = ["--set", "process_recover=true",
-                       "--recover-strategy", "retry,recover-in-place,recover,dump",
+                       "--recover-strategy", "retry,recover-in-place,dump",
                        "--set", "checkpoint.snapshot_interval=0"]
 
 
@@ -62,7 +63,7 @@ def test_survivors_dump_a_lost_hosts_step_and_the_restart_loads_it(reference_run
 
     [decision] = run.kinds(ev.DECISION)
     assert decision.details["strategy"] == "dump" and decision.details["lost_ranks"] == [1], story
-    assert "recover: pod_rescheduling is off" in decision.details["reason"], story
+    assert "recover-in-place: " in decision.details["reason"], story
     # The dump holds the step the survivors held at the fault, newer than the periodic checkpoint.
     [plan] = run.kinds(ev.RECOVERY_PLAN)
     assert plan.details["action"] == "dump" and plan.step in (FAULT_STEP - 1, FAULT_STEP), story

@@ -9,14 +9,14 @@ from undying.config import JobSpec
 from undying.controller.persist_health import PersistHealth, failed_checkpoint_line
 from undying.controller.state import JobState
 from undying.protocol import AgentHello
-from undying.root_probe import PROBE_DIR, remove_probe, t2_root, take_probe, write_probe, writes_t2
+from undying.root_probe import PROBE_PREFIX, remove_probe, t2_root, take_probe, write_probe, writes_t2
 
 
 def test_a_probe_written_under_a_root_is_read_and_removed_under_the_same_root(tmp_path: Path) -> None:
     name, error = write_probe(str(tmp_path / "ckpt"))
     assert error == "" and name
     assert take_probe(str(tmp_path / "ckpt"), name) == ""
-    assert not list((tmp_path / "ckpt" / PROBE_DIR).iterdir())
+    assert list((tmp_path / "ckpt").iterdir()) == []
 
 
 def test_a_probe_under_another_root_is_not_found(tmp_path: Path) -> None:
@@ -24,7 +24,7 @@ def test_a_probe_under_another_root_is_not_found(tmp_path: Path) -> None:
     problem = take_probe(str(tmp_path / "host0" / "checkpoints"), name)
     assert "not under the controller's checkpoint root" in problem
     remove_probe(str(tmp_path / "host1" / "checkpoints"), name)
-    assert not list((tmp_path / "host1" / "checkpoints" / PROBE_DIR).iterdir())
+    assert list((tmp_path / "host1" / "checkpoints").iterdir()) == []
 
 
 def test_a_probe_under_a_url_root(tmp_path: Path) -> None:
@@ -33,6 +33,7 @@ def test_a_probe_under_a_url_root(tmp_path: Path) -> None:
     assert error == ""
     assert take_probe(root, name) == ""
     assert "not under" in take_probe(root, name)  # taken once
+    assert not [path for path in (tmp_path / "ckpt").iterdir() if path.name.startswith(PROBE_PREFIX)]
 
 
 def test_a_root_that_cannot_be_written_is_said_at_the_probe(tmp_path: Path) -> None:

@@ -81,6 +81,18 @@ def test_the_guard_counts_recoveries_without_progress_and_repeated_exceptions():
     assert guard.root_cause() is boom
 
 
+def test_a_refused_repair_that_comes_back_is_left_to_the_chain_and_to_the_limit():
+    """No replica holds a lost shard: every repair attempt raises ShardLost at the same step until the
+    chain reaches a job restart; that is no script bug, so only crash_loop_limit can stop it."""
+    guard = CrashLoop(limit=3)
+    lost = "undying.runtime.sharded.ShardLost: no replica holds the shard of group rank(s) [2]"
+    assert guard.verdict(Fault(FaultReason.WORKER_EXIT, rank=2, step=15, signal="SIGKILL")) is None
+    for _ in range(2):  # generations 2 and 3
+        assert guard.verdict(Fault(FaultReason.WORKER_EXIT, rank=3, step=15, exitcode=1, error=lost)) is None
+    assert guard.verdict(Fault(FaultReason.WORKER_EXIT, rank=3, step=15, exitcode=1, error=lost)) == \
+        "3 recoveries in a row committed no step (crash_loop_limit 3)"
+
+
 def test_a_committed_step_ends_the_streak_and_a_planned_leave_is_no_part_of_it():
     guard = CrashLoop(limit=1)
     guard.watch(generation=3)

@@ -22,6 +22,11 @@ from typing import Any
 from undying.faults import Fault, FaultReason
 from undying.protocol import Phase
 
+# Exceptions undying's own repair raises where it cannot repair (no replica holds a lost shard): they
+# come back at the same step because the chain tried a strategy that cannot help, never because the
+# script failed again; the chain goes on to its next strategy, and only the recoveries count.
+REPAIR_REFUSALS = ("undying.runtime.sharded.ShardLost:",)
+
 # The phases of a rank that trains: its first beat in one of them tells the step the generation resumed at.
 TRAINING_PHASES = frozenset({Phase.COMPUTING, Phase.SYNCING, Phase.UPDATING, Phase.UPDATED})
 
@@ -57,7 +62,7 @@ class CrashLoop:
             return None
         if any(earlier is fault for earlier in self.streak):
             return None  # the same fault decided again, after a recovery of it failed
-        repeated = bool(fault.error) and any(earlier.error == fault.error and earlier.step == fault.step
+        repeated = bool(fault.error) and not fault.error.startswith(REPAIR_REFUSALS) and any(earlier.error == fault.error and earlier.step == fault.step
                                              for earlier in self.streak)
         self.streak.append(fault)
         if repeated:

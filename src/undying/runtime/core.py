@@ -367,7 +367,7 @@ class Runtime:
         replacement finds it even when this process and its node are gone (runtime/rng_mirror.py)."""
         self.rng_mirror.write_rng(self.state.committed_step, self.state.mark_commit_boundary())
 
-    def _recover(self, reason: str, raised: Exception | None = None) -> None:
+    def _recover(self, reason: str, raised: tuple[list[str], str] | None = None) -> None:
         self.recovery.recover(reason, raised)
         self._resumed_from = self.state.committed_step
 

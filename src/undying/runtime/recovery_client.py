@@ -66,7 +66,7 @@ class RecoveryClient:
         self._t1_error: str | None = None  # why this receiver's T1 snapshot of the step could not be loaded
         self.dying_checkpoint = DyingCheckpoint(spec, membership, state, reporter, rng_mirror, checkpoints)
 
-    def recover(self, reason: str, raised: Exception | None = None) -> None:
+    def recover(self, reason: str, raised: tuple[list[str], str] | None = None) -> None:
         """Leave the failed step, follow the controller's plan, and return at a committed step.
         ``raised``: this rank's own exception that failed the step (told to the controller)."""
         started = time.monotonic()
@@ -116,7 +116,7 @@ class RecoveryClient:
             return
         self._joined = (plan, started, planned, time.monotonic())
 
-    def _follow_next_plan(self, reason: str, raised: Exception | None = None) -> tuple[Plan, float]:
+    def _follow_next_plan(self, reason: str, raised: tuple[list[str], str] | None = None) -> tuple[Plan, float]:
         """Leave the current group, wait for the controller's next plan and enter its generation (after
         a dump, or for a plan that gives this process no part, park). Returns it and when it came."""
         self.membership.leave_group()

@@ -19,7 +19,6 @@ from typing import Any
 from undying.client import ControllerClient, ControllerUnreachable
 from undying.events import Event
 from undying.locate import locator_from_env
-from undying.log_tail import exception_tail
 from undying.protocol import (
     ROUTE_EVENT,
     ROUTE_INJECT_CLAIM,
@@ -162,12 +161,13 @@ class Reporter:
         return Granted.from_dict(self._client.post(ROUTE_INJECT_CLAIM, claim.to_dict())).granted
 
     def wait_for_plan(self, generation: int, committed_step: int, reason: str, newcomer: bool,
-                      raised: Exception | None = None) -> Plan:
+                      raised: tuple[list[str], str] | None = None) -> Plan:
         """Check in with the controller after a failed step (or on joining) and wait for its plan.
-        ``raised``: this rank's own exception failed the step; the controller is told what it was."""
+        ``raised``: this rank's own exception failed the step (its traceback tail and exception line);
+        the controller is told what it was."""
         if self._client is None:
             raise RuntimeError(f"step failed with no controller to recover it: {reason}")
-        tail, error = exception_tail(raised) if raised is not None else ([], "")
+        tail, error = raised if raised is not None else ([], "")
         request = RecoverRequest(self.rank, self.node, generation, committed_step, os.getpid(), reason,
                                  newcomer, wait=5.0, error=error, error_tail=tail)
         while True:

@@ -14,6 +14,7 @@ import time
 import torch
 
 from undying.config import JobSpec
+from undying.log_tail import exception_tail
 from undying.protocol import Phase
 from undying.runtime.carried_batches import CarriedBatchError
 from undying.runtime.ddp import FixedLayoutDDP, commit_vote, commit_vote_with_sums
@@ -49,7 +50,10 @@ class StepTransaction:
         self.device = device
         self.peer_copies = peer_copies  # their confirmations travel in the commit vote
         self.failure: str | None = None
-        self.raised: Exception | None = None  # this rank's own exception that failed the step (retry)
+        # This rank's own exception that failed the step (retry), as text: (traceback tail, exception
+        # line). Never the exception itself: its traceback holds the frames of the failed collective,
+        # whose group (and connections, which peers wait on) would then outlive the generation.
+        self.raised: tuple[list[str], str] | None = None
         self.voted = False
         self.updated = False
 
@@ -175,7 +179,7 @@ class StepTransaction:
                 and not self._generation_aborted_soon():
             return False
         if self.failure is None and not self.membership.aborted():
-            self.raised = error  # the step's cause, not a symptom of a fault elsewhere
+            self.raised = exception_tail(error)  # the step's cause, not a symptom of a fault elsewhere
         self.fail(f"exception in step: {error!r}")
         if not self.voted:
             # Vote no in the all-reduce the other ranks are waiting in, so nobody applies this step.

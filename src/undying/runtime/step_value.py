@@ -41,6 +41,9 @@ class Step(int):
         return step
 
     def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        # Again at each save: a script's ``with torch.serialization.safe_globals([...int...])`` removes
+        # int from the allowlist on exit, and the process that saves is often the one that loads.
+        torch.serialization.add_safe_globals([int])
         return int, (int(self),)
 
     def __enter__(self) -> Step:
