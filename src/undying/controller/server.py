@@ -2,7 +2,9 @@
 
 Runs in the controller process, one thread per connection. Every route, reads
 included, needs ``Authorization: Bearer <job token>``; a request without it gets 401,
-is logged as an ``auth_refused`` event, and changes nothing.
+is logged as an ``auth_refused`` event, and changes nothing. Given a TLS context
+(``undying run --tls-cert/--tls-key``) it serves HTTPS only; a client that fails the
+handshake (plain HTTP, a certificate it does not trust) is logged as ``auth_refused`` too.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import hmac
 import json
 import select
 import socket
+import ssl
 import sys
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -44,6 +48,7 @@ from undying.protocol import (
     Plan,
     RecoverRequest,
 )
+from undying.tls import HANDSHAKE_TIMEOUT_S
 
 MAX_BODY = 1 << 20
 SHUTDOWN_POLL_S = 0.05  # how soon ``ControllerServer.stop`` returns
@@ -67,11 +72,31 @@ class PlanReplies:
 
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
+    tls: ssl.SSLContext | None = None  # HTTPS: each connection's handshake runs on its own thread
+    on_tls_refused: Callable[[str, str], object] = staticmethod(lambda client, why: None)
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        # Not in accept(): a client that never finishes its handshake must not hold up the others.
+        request.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            secured = self.tls.wrap_socket(request, server_side=True)
+        except (OSError, ssl.SSLError) as error:
+            request.close()
+            self.on_tls_refused(client_address[0], f"TLS handshake failed: {getattr(error, 'reason', None) or error}")
+            return
+        secured.settimeout(None)
+        try:
+            super().finish_request(secured, client_address)
+        finally:
+            secured.close()  # the plain socket was detached into it: closing that one closes nothing
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that died mid-request (a killed agent or worker) is normal here.
         error = sys.exc_info()[1]
-        if isinstance(error, (BrokenPipeError, ConnectionResetError, TimeoutError)):
+        if isinstance(error, (BrokenPipeError, ConnectionResetError, TimeoutError, ssl.SSLError)):
             return
         super().handle_error(request, client_address)
 
@@ -79,12 +104,16 @@ class _QuietServer(ThreadingHTTPServer):
 class ControllerServer:
     """Serves one Controller on (host, port); port 0 picks a free one."""
 
-    def __init__(self, controller: Controller, token: str, host: str, port: int = 0) -> None:
+    def __init__(self, controller: Controller, token: str, host: str, port: int = 0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.controller = controller
         self.token = token
         self.plan_replies = PlanReplies()
         handler = _make_handler(self)
         self.httpd = _QuietServer((host, port), handler)
+        self.httpd.tls = tls
+        self.httpd.on_tls_refused = lambda client, why: controller.events.emit(Event(
+            kind=ev.AUTH_REFUSED, details={"client": client, "why": why}))
         self.host = host
         self.port: int = self.httpd.server_address[1]
         # A short poll: ``stop`` waits for the loop's next look at its shutdown flag (0.5 s by default,
@@ -135,7 +164,8 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
             by another before its answer, so anything readable now is the close)."""
             try:
                 readable, _, _ = select.select([self.connection], [], [], 0)
-                return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
+                # The TCP stream itself (under TLS too: a peek below the TLS layer): b"" is the close.
+                return not readable or socket.socket.recv(self.connection, 1, socket.MSG_PEEK) != b""
             except OSError:
                 return False
 
