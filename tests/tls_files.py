@@ -38,7 +38,8 @@ def make_tls_files(directory: Path, addresses: tuple[str, ...] = ("127.0.0.1",))
     _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
              "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=undying test CA", cwd=directory)
     names = ",".join(f"IP:{address}" if address[0].isdigit() else f"DNS:{address}" for address in addresses)
-    for name, usage, subject in (("server", "serverAuth", "/CN=undying controller"),
+    # The server certificate is a client one too: etcd's JSON gateway presents it to etcd itself.
+    for name, usage, subject in (("server", "serverAuth,clientAuth", "/CN=undying controller"),
                                  ("client", "clientAuth", "/CN=undying node")):
         (directory / f"{name}.ext").write_text(
             f"subjectAltName={names}\nextendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\n")
