@@ -88,8 +88,36 @@ def client_handshake(sock: socket.socket, token: str) -> None:
 
 
 def pump(left: socket.socket, right: socket.socket) -> None:
-    """Copy bytes both ways until either side closes, then close both. One thread, non-blocking
-    sockets: an SSL socket must never be read on one thread while written on another."""
+    """Copy bytes both ways until either side closes, then close both (on the calling thread; plain
+    sockets use a second thread for the other direction: one wake-up per message, no select)."""
+    if isinstance(left, ssl.SSLSocket) or isinstance(right, ssl.SSLSocket):
+        _pump_selecting(left, right)
+        return
+    other = threading.Thread(target=_copy, args=(right, left), name="store-link-back", daemon=True)
+    other.start()
+    _copy(left, right)
+    other.join()
+    for end in (left, right):
+        _close(end)
+
+
+def _copy(source: socket.socket, target: socket.socket) -> None:
+    """One direction of a plain pump, until ``source`` closes or either end fails."""
+    try:
+        while data := source.recv(CHUNK):
+            target.sendall(data)
+    except OSError:
+        pass
+    for end in (source, target):  # torch's store never half-closes: one side gone ends the link
+        try:
+            end.shutdown(socket.SHUT_RDWR)  # the other direction's thread wakes with the close
+        except OSError:
+            pass
+
+
+def _pump_selecting(left: socket.socket, right: socket.socket) -> None:
+    """Both directions on one thread, non-blocking: an SSL socket must never be read on one thread
+    while it is written on another."""
     ends = (left, right)
     pending: dict[socket.socket, bytearray] = {left: bytearray(), right: bytearray()}  # to be sent to the key
     for end in ends:
@@ -167,6 +195,8 @@ class StoreLink:
         if not self.token:
             raise StoreRefused(f"no job token in {ENV_TOKEN}: this process cannot join the job's store")
         sock = socket.create_connection((host, port), timeout=timeout)
+        # Before the handshakes: their small writes must not wait for the peer's delayed ACK (Nagle).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             if self.tls is not None:
                 sock = self.tls.context().wrap_socket(sock, server_hostname=host)
@@ -207,7 +237,6 @@ def _serve_one(listener: socket.socket, upstream: socket.socket) -> None:
     finally:
         _close(listener)
     local.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     pump(local, upstream)
 
 

@@ -18,11 +18,12 @@ import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 
 from undying import events as ev
 from undying.client import format_address
 from undying.controller.core import Controller, NotInCharge
+from undying.controller.message_checks import check_request, worker_event
 from undying.events import Event, read_events
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
@@ -45,11 +46,14 @@ from undying.protocol import (
     Granted,
     Heartbeat,
     InjectionClaim,
+    Message,
     Plan,
     RecoverRequest,
+    StopRequest,
 )
 from undying.tls import HANDSHAKE_TIMEOUT_S
 
+M = TypeVar("M", bound=Message)
 MAX_BODY = 1 << 20
 SHUTDOWN_POLL_S = 0.05  # how soon ``ControllerServer.stop`` returns
 
@@ -81,6 +85,7 @@ class _QuietServer(ThreadingHTTPServer):
             return
         # Not in accept(): a client that never finishes its handshake must not hold up the others.
         request.settimeout(HANDSHAKE_TIMEOUT_S)
+        request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the handshake's writes too (Nagle)
         try:
             secured = self.tls.wrap_socket(request, server_side=True)
         except (OSError, ssl.SSLError) as error:
@@ -245,31 +250,38 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
             except (ValueError, TypeError, KeyError) as error:
                 self._json({"error": f"bad request: {error}"}, 400)
 
+        def _decoded(self, kind: type[M], payload: dict[str, Any]) -> M:
+            """The request as a ``kind``, its types and values checked (message_checks.py): nothing
+            of a request with a bad value reaches the job machine."""
+            message = kind.from_dict(payload)
+            check_request(controller.machine.spec, message)
+            return message
+
         def _route_post(self, payload: dict[str, Any]) -> None:
             if self.path == ROUTE_AGENT_HELLO:
-                self._json(controller.hello(AgentHello.from_dict(payload)).to_dict())
+                self._json(controller.hello(self._decoded(AgentHello, payload)).to_dict())
             elif self.path == ROUTE_AGENT_POLL:
-                poll = AgentPoll.from_dict(payload)
+                poll = self._decoded(AgentPoll, payload)
                 self.polling_agent = (poll.node, poll.pid)
                 self._json(controller.poll(poll, connected=self._connected).to_dict())
             elif self.path == ROUTE_AGENT_LEAVE:
-                self._json({"ok": controller.agent_leaving(AgentLeave.from_dict(payload))})
+                self._json({"ok": controller.agent_leaving(self._decoded(AgentLeave, payload))})
             elif self.path == ROUTE_AGENT_REPORT:
-                controller.report(AgentPoll.from_dict(payload))
+                controller.report(self._decoded(AgentPoll, payload))
                 self._json({"ok": True})
             elif self.path == ROUTE_WORKER_HEARTBEAT:
-                self._json(controller.heartbeat(Heartbeat.from_dict(payload)).to_dict())
+                self._json(controller.heartbeat(self._decoded(Heartbeat, payload)).to_dict())
             elif self.path == ROUTE_WORKER_RECOVER:
-                plan = controller.recover(RecoverRequest.from_dict(payload))
+                plan = controller.recover(self._decoded(RecoverRequest, payload))
                 self._reply(200, server.plan_replies.encode(plan))
             elif self.path == ROUTE_EVENT:
-                controller.worker_event(payload)
+                controller.worker_event(worker_event(controller.machine.spec, payload))
                 self._json({"ok": True})
             elif self.path == ROUTE_INJECT_CLAIM:
-                self._json(Granted(controller.claim_injection(InjectionClaim.from_dict(payload))).to_dict())
+                self._json(Granted(controller.claim_injection(self._decoded(InjectionClaim, payload))).to_dict())
             elif self.path == ROUTE_JOB_STOP:
-                controller.request_stop(str(payload.get("reason") or "stopped through the HTTP endpoint"),
-                                        at_once=payload.get("now") is True)
+                stop = self._decoded(StopRequest, payload)
+                controller.request_stop(stop.reason or "stopped through the HTTP endpoint", at_once=stop.now)
                 self._json({"ok": True})
             else:
                 self._json({"error": "not found"}, 404)

@@ -89,6 +89,8 @@ class JobStore:
     def _admit(self, connection: socket.socket, client: str) -> None:
         """One connection: TLS (if configured), the token handshake, then pumped to the store."""
         connection.settimeout(HANDSHAKE_TIMEOUT_S)
+        # Before the handshakes: their small writes must not wait for the peer's delayed ACK (Nagle).
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             if self.tls is not None:
                 connection = self.tls.wrap_socket(connection, server_side=True)
@@ -104,8 +106,7 @@ class JobStore:
             return
         connection.settimeout(None)
         store.settimeout(None)
-        for end in (connection, store):
-            end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        store.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         pump(connection, store)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
