@@ -100,9 +100,14 @@ class Slot:
         self.views: list[torch.Tensor] = []
         self.info: SnapshotInfo | None = None  # set while the slot holds a complete snapshot
         self._page_locked: int | None = None  # the address registered with CUDA (page-locked), if any
-        if path is not None and path.exists():
-            self._map(path.stat().st_size)
+        size = path.stat().st_size if path is not None and path.exists() else 0
+        if size >= HEADER_BYTES:
+            try:
+                self._map(size)
+            except SnapshotUnavailable:
+                return  # cannot be mapped: it holds nothing a reader may take (a writer grows it anew)
             self.info = self._read_info()
+        # Smaller (an allocation that failed on a full node memory left it empty): it holds nothing.
 
     # -- memory
 
