@@ -50,6 +50,8 @@ def print_event(event: Event) -> None:
         ev.CHECKPOINT_FAILED: lambda: failed_checkpoint_line(event.step, details),
         ev.CHECKPOINT_ROOT_UNSHARED: lambda: (f"node {event.node} ({details.get('host')}) does not share the "
                                               f"T2 checkpoint root: {details.get('problem')}"),
+        ev.REQUEST_REFUSED: lambda: (f"refused a request to {details.get('path')} from {details.get('client')}: "
+                                     f"{details.get('error')}"),
         ev.SNAPSHOT_UNAVAILABLE: lambda: (f"T1 snapshots in this process's private memory (a replacement cannot "
                                           f"read them): node shared memory refused: {details.get('reason')}"),
         ev.JOB_END: lambda: f"job {details.get('outcome')}: {details.get('message')}",

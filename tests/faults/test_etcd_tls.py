@@ -96,3 +96,4 @@ def test_a_failover_job_over_tls_loses_its_controller_node_and_ends_bitwise_equa
     assert all(e.details.get("tls") for e in run.kinds(ev.JOB_START))
     # Every agent and worker reached the controllers over HTTPS and the stores through their gates.
     assert not run.kinds(ev.AUTH_REFUSED), run.kinds(ev.AUTH_REFUSED)
+    assert not run.kinds(ev.REQUEST_REFUSED), run.kinds(ev.REQUEST_REFUSED)  # nothing of the job's refused

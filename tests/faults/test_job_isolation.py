@@ -144,6 +144,7 @@ def test_a_process_of_another_job_can_neither_join_nor_read_anything(reference_r
     assert run.result["final_step"] == STEPS
     assert run.result["param_sha256"] == reference_run.result["param_sha256"]
     assert not run.kinds(ev.FAULT_DETECTED) and len(run.kinds(ev.AGENT_REGISTERED)) == 2
+    assert not run.kinds(ev.REQUEST_REFUSED)  # the intruder's token never got as far as a body
     intruder_address = network.address(INTRUDER_HOST)
     refused = [e.details for e in run.kinds(ev.AUTH_REFUSED) if e.time >= start.time]
     assert {d["client"] for d in refused} == {intruder_address}, refused

@@ -26,12 +26,13 @@ from typing import Any
 import pytest
 
 from tests.unit.job_harness import FAST, JOB_ID, STORE_PORT
+from undying import events as ev
 from undying.config import JobSpec
 from undying.controller.core import Controller
 from undying.controller.saved_state import export_state
 from undying.controller.server import ControllerServer
 from undying.controller.state import JobState
-from undying.events import EventLog
+from undying.events import EventLog, read_events
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
     ROUTE_AGENT_LEAVE,
@@ -79,6 +80,7 @@ class RunningJob:
     """The controller after a recovery: generation 2 running, rank 3 a replacement (new pid)."""
 
     def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
         self.events = EventLog(run_dir)
         self.controller = Controller(JobSpec(**{k: v for k, v in SPEC.items() if k != "inject"}), self.events,
                                      JOB_ID, STORE_PORT)
@@ -365,6 +367,10 @@ def test_every_route_answers_bad_and_stale_messages_and_changes_nothing(served) 
     finally:
         connection.close()
     assert not escaped, escaped
+    # Each refused body is logged with its route, client and reason (a client's bug is worth seeing).
+    refused = [e for e in read_events(job.run_dir) if e.kind == ev.REQUEST_REFUSED]
+    posted_400 = sum(count for key, count in answered.items() if key.endswith(" 400") and ROUTE_EVENTS not in key)
+    assert len(refused) == posted_400 and all(e.details["client"] == "127.0.0.1" for e in refused)
     # Every route was tried, bad values refused, stale messages answered.
     assert {key.split()[0] for key in answered} >= set(templates()) | {ROUTE_EVENTS}, answered
     assert sum(count for key, count in answered.items() if key.endswith(" 400")) > REQUESTS // 2, answered

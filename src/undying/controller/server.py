@@ -248,6 +248,9 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
             except NotInCharge:
                 self._not_in_charge()
             except (ValueError, TypeError, KeyError) as error:
+                # Logged: a client of the job sending what the controller refuses is a bug worth seeing.
+                controller.events.emit(Event(kind=ev.REQUEST_REFUSED, details={
+                    "path": self.path, "client": self.client_address[0], "error": str(error)[:300]}))
                 self._json({"error": f"bad request: {error}"}, 400)
 
         def _decoded(self, kind: type[M], payload: dict[str, Any]) -> M:
