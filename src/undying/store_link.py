@@ -50,6 +50,10 @@ class StoreRefused(ConnectionError):
     """The other end did not prove it holds the job's token (or closed during the handshake)."""
 
 
+class HandshakeAbandoned(StoreRefused):
+    """The other end closed before sending a byte (a port probe, a client that gave up)."""
+
+
 def _mac(token: str, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     return hmac.new(token.encode(), label + server_nonce + client_nonce, hashlib.sha256).digest()
 
@@ -59,7 +63,7 @@ def _read_exactly(sock: socket.socket, count: int) -> bytes:
     while len(data) < count:
         chunk = sock.recv(count - len(data))
         if not chunk:
-            raise StoreRefused("the connection closed during the store handshake")
+            raise (HandshakeAbandoned if not data else StoreRefused)("the connection closed during the store handshake")
         data += chunk
     return data
 

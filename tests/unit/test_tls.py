@@ -14,6 +14,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,20 @@ def test_bad_tls_files_are_one_line_errors(tmp_path: Path, files: TlsFiles) -> N
         check_client("--tls-ca", ClientTls(str(tmp_path / "missing.pem")))
     check_server("--tls-cert", ServerTls(str(files.cert), str(files.key)))
     assert isinstance(ClientTls(str(files.ca)).context(), ssl.SSLContext)
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["token", "token+tls"], indirect=True)
+def test_a_port_probe_is_closed_quietly(store, files: TlsFiles) -> None:
+    """A connection that leaves before sending a byte (a load balancer's or Kubernetes' TCP probe) is
+    not a refusal worth logging; one that sends a wrong proof is."""
+    job_store, refused = store
+    for _ in range(3):
+        socket.create_connection((HOST, job_store.port), timeout=5.0).close()
+    tls = ClientTls(str(files.ca)) if job_store.tls is not None else None
+    with pytest.raises(StoreRefused):
+        StoreLink(OTHER_TOKEN, tls).open(HOST, job_store.port, 5.0)
+    deadline = time.monotonic() + 5
+    while not refused and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the probes' threads are done by now too
+    assert [why for _, why in refused] == ["wrong token proof"], refused

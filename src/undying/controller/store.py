@@ -6,7 +6,7 @@ loopback only (a socket we bind and hand it: it would otherwise listen on every 
 the address the job is told (``port``) is a gate on the controller's bind address: each connection
 proves it holds the job's token (``store_link.server_handshake``; over TLS when the controller has
 a certificate) before its bytes are pumped to the store. A connection that does not is closed and
-reported (``on_refused``). Processes on this host's own network namespace can still reach the
+reported (``on_refused``); one that leaves before sending anything (a port probe) only closed. Processes on this host's own network namespace can still reach the
 loopback store directly: in Kubernetes that is the controller's pod alone (docs/security.md).
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from undying.store_link import StoreRefused, pump, server_handshake
+from undying.store_link import HandshakeAbandoned, StoreRefused, pump, server_handshake
 from undying.tls import HANDSHAKE_TIMEOUT_S
 
 LOOPBACK = "127.0.0.1"
@@ -97,7 +97,8 @@ class JobStore:
             server_handshake(connection, self.token)
         except (OSError, StoreRefused) as error:
             connection.close()
-            self.on_refused(client, _why(error))
+            if not isinstance(error, HandshakeAbandoned | ssl.SSLEOFError):
+                self.on_refused(client, _why(error))  # not a port probe that connected and left at once
             return
         try:
             store = socket.create_connection((LOOPBACK, self.store_port), timeout=HANDSHAKE_TIMEOUT_S)
