@@ -220,3 +220,39 @@ def test_a_port_probe_is_closed_quietly(store, files: TlsFiles) -> None:
         time.sleep(0.05)
     time.sleep(0.2)  # the probes' threads are done by now too
     assert [why for _, why in refused] == ["wrong token proof"], refused
+
+
+SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "gpt" / "train.py")
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--tls-cert", "{cert}"], "--tls-cert and --tls-key: give both or neither"),
+    (["--tls-cert", "{cert}", "--tls-key", "{key}"], "--tls-cert: needs --tls-ca too"),
+    (["--tls-ca", "{ca}"], "--tls-ca: a controller runs on this node and needs its certificate"),
+    (["--tls-cert", "{cert}", "--tls-key", "{ca}", "--tls-ca", "{ca}"], "--tls-cert: cannot load the certificate"),
+    (["--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-ca", "{missing}"], "--tls-ca: cannot load"),
+    (["--etcd-ca", "{ca}"], "--etcd-ca: only with --etcd"),
+    (["--etcd-cert", "{cert}"], "--etcd-cert/--etcd-key: need --etcd-ca"),
+])
+def test_bad_tls_flags_are_one_line_errors(flags: list[str], line: str, files: TlsFiles, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from undying.cli import main
+
+    paths = {"cert": files.cert, "key": files.key, "ca": files.ca, "missing": tmp_path / "missing.pem"}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *(flag.format(**paths) for flag in flags), "--run-dir", str(tmp_path / "run"), SCRIPT])
+    assert exit_info.value.code == 2
+    [error] = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith("undying: error: ") and line in error, error
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_node_that_only_joins_takes_the_ca_alone(files: TlsFiles) -> None:
+    """Node R > 0 hosts no controller: --tls-ca alone is its whole TLS setup."""
+    import argparse
+
+    from undying import cli_tls
+
+    args = argparse.Namespace(tls_cert=None, tls_key=None, tls_ca=str(files.ca))
+    assert cli_tls.server_tls(args, hosts_controller=False) is None
+    assert cli_tls.controller_ca(args) == str(files.ca)
