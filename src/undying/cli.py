@@ -16,12 +16,13 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from undying import __version__
+from undying import __version__, cli_tls
 from undying.config import SpecError, load_job_spec, recover_strategy_overrides
 from undying.console_streams import StreamOptionError, console_streams
 from undying.inject import InjectionSpecError, check_targets, encode, parse_injections
 from undying.slurm.env import SlurmStep
 from undying.slurm.errors import SlurmError
+from undying.tls import TlsFileError
 from undying.torchrun_flags import FlagError, add_torchrun_arguments, controller_flags, nproc_per_node
 
 EXIT_USAGE = 2
@@ -112,6 +113,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         "the seeds' keys (process-recover-enable, ...) override the spec")
     parser.add_argument("--pod-annotations", metavar="FILE", help="Kubernetes: the pod's annotations (a Downward "
                         "API file); recover-strategy and wait-reschedule-timeout override the spec")
+    cli_tls.add_run_arguments(parser)
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,9 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", action="store_true", help="redraw the table in place until the job ends")
     status.add_argument("--interval", type=float, default=1.0, help="with --watch: seconds between redraws")
     status.add_argument("--json", action="store_true", help="print the controller's /status as JSON, once")
+    cli_tls.add_client_arguments(status)
     stop = commands.add_parser("stop", help="stop a running job once every rank persisted its newest step "
                                "(exit 75: run it again to resume there), or at once with --now")
     add_job_arguments(stop)
+    cli_tls.add_client_arguments(stop)
     stop.add_argument("--now", action="store_true", help="cancel at once (exit 130); the newest durable checkpoint "
                       "is then the last periodic one")
     stop.add_argument("--reason", default=None, help="why, for the job's log (default: who asked, from where)")
@@ -228,8 +232,13 @@ def command_run(args: argparse.Namespace) -> int:
         check_targets(injections, spec.world_size, spec.nnodes)
         streams = console_streams(spec.nproc_per_node, args.redirects, args.tee, args.local_ranks_filter)
         args.controller, args.controller_bind = controller_flags(args, spec.nnodes)
-    except (SpecError, InjectionSpecError, StreamOptionError, FlagError, SlurmError) as error:
+        hosts_controller = args.node_rank is None or args.node_rank == 0 or args.etcd is not None
+        server_tls = cli_tls.server_tls(args, hosts_controller)
+        tls_ca, etcd_tls = cli_tls.controller_ca(args), cli_tls.etcd_tls(args)
+    except (SpecError, InjectionSpecError, StreamOptionError, FlagError, SlurmError, TlsFileError) as error:
         fail(str(error))
+    if etcd_tls is not None and args.etcd is None:
+        fail("--etcd-ca: only with --etcd (controller failover)")
     if args.log_dir is not None and Path(args.log_dir).exists() and not Path(args.log_dir).is_dir():
         fail(f"--log-dir: allowed a directory (got {args.log_dir!r}, a file)")
     if spec.compile_cache:
@@ -263,7 +272,8 @@ def command_run(args: argparse.Namespace) -> int:
         token=read_token(args.token_file), injections_text=encode(injections), quiet=args.quiet,
         standby_agents=args.standby, etcd=args.etcd, job_name=args.job_name, lease_ttl=args.lease_ttl,
         log_dir=Path(args.log_dir) if args.log_dir else None, console_streams=streams,
-        sigterm=SigtermAction(args.sigterm or ("stop" if step is not None else "leave")))
+        sigterm=SigtermAction(args.sigterm or ("stop" if step is not None else "leave")),
+        tls=server_tls, tls_ca=tls_ca, etcd_tls=etcd_tls)
     code = launch(options)
     # The interpreter's shutdown would otherwise spend a final GC over torch's object graph (the
     # store imported it), at the end of every job; nothing left is garbage worth that.
@@ -362,6 +372,10 @@ def _job_controller(args: argparse.Namespace, command: str) -> tuple[str, str, A
     was pointed at: a run directory, --controller, or --etcd with --job-name."""
     from undying.locate import locate_controller
 
+    try:
+        cli_tls.use_for_clients(args)
+    except TlsFileError as error:
+        fail(str(error))
     if args.run_dir is not None:
         return _run_dir_controller(Path(args.run_dir), args.token_file)
     if args.controller is not None:
@@ -398,6 +412,7 @@ def _run_dir_controller(run_dir: Path, token_file: str | None) -> tuple[str, str
     """A job's controller address, token and (a failover job) leader locator, from its run directory."""
     from undying.controller_files import TOKEN_FILE, read_controller_record
     from undying.locate import locate_controller
+    from undying.tls import ENV_ETCD_CA, ENV_ETCD_CERT, ENV_ETCD_KEY, ENV_TLS_CA
 
     try:
         record = read_controller_record(run_dir)
@@ -409,6 +424,10 @@ def _run_dir_controller(run_dir: Path, token_file: str | None) -> tuple[str, str
         fail(f"{run_dir}: cannot read its controller record: {error}")
     token = read_token(token_file or str(run_dir / TOKEN_FILE))
     assert token is not None
+    # The job's own TLS files, unless the command named others.
+    recorded = {ENV_TLS_CA: record.tls_ca, ENV_ETCD_CA: record.etcd_ca, ENV_ETCD_CERT: record.etcd_cert,
+                ENV_ETCD_KEY: record.etcd_key}
+    os.environ.update({name: path for name, path in recorded.items() if path and not os.environ.get(name)})
     if record.etcd and record.job_name:
         etcd, job_name = record.etcd, record.job_name
         return locate_controller(etcd, job_name) or record.address, token, lambda: locate_controller(etcd, job_name)

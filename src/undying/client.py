@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from undying.protocol import PROTOCOL_VERSION, TOKEN_HEADER, TOKEN_SCHEME, VERSION_HEADER
+from undying.tls import ClientTls, controller_tls_from_environ
 
 # Failover jobs: old controller address -> where it moved, shared by every client of this process,
 # so a request on one thread follows a move another thread found (instead of timing out first).
@@ -42,15 +43,20 @@ def format_address(host: str, port: int) -> str:
 
 
 class ControllerClient:
-    """Talks JSON to one controller. Not thread-safe: give each thread its own."""
+    """Talks JSON to one controller. Not thread-safe: give each thread its own.
+
+    HTTPS, verifying the controller's certificate, when ``tls`` is given or, by default, when this
+    process's environment names a CA (``UNDYING_TLS_CA``: set by ``undying run --tls-ca`` for its
+    agents and workers); plain HTTP otherwise."""
 
     def __init__(self, address: str, token: str, timeout: float = 10.0,
-                 locator: Callable[[], str | None] | None = None) -> None:
+                 locator: Callable[[], str | None] | None = None, tls: ClientTls | None = None) -> None:
         self.host, self.port = parse_address(address)
         self.address = address
         self.token = token
         self.timeout = timeout
         self.locator = locator  # finds the current controller after a failover (None: fixed address)
+        self.tls = tls if tls is not None else controller_tls_from_environ()
         self._conn: http.client.HTTPConnection | None = None
 
     def _relocate(self) -> bool:
@@ -75,7 +81,9 @@ class ControllerClient:
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         if self._conn is None:
-            self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+            self._conn = (http.client.HTTPConnection(self.host, self.port, timeout=timeout) if self.tls is None else
+                          http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+                                                      context=self.tls.context()))
         self._conn.timeout = timeout
         if self._conn.sock is not None:
             self._conn.sock.settimeout(timeout)

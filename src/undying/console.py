@@ -50,8 +50,14 @@ def print_event(event: Event) -> None:
         ev.CHECKPOINT_FAILED: lambda: failed_checkpoint_line(event.step, details),
         ev.CHECKPOINT_ROOT_UNSHARED: lambda: (f"node {event.node} ({details.get('host')}) does not share the "
                                               f"T2 checkpoint root: {details.get('problem')}"),
+        ev.REQUEST_REFUSED: lambda: (f"refused a request to {details.get('path')} from {details.get('client')}: "
+                                     f"{details.get('error')}"),
+        ev.SNAPSHOT_UNAVAILABLE: lambda: (f"T1 snapshots in this process's private memory (a replacement cannot "
+                                          f"read them): node shared memory refused: {details.get('reason')}"),
         ev.JOB_END: lambda: f"job {details.get('outcome')}: {details.get('message')}",
-        ev.AUTH_REFUSED: lambda: f"refused a client without the job token ({details.get('client')})",
+        ev.AUTH_REFUSED: lambda: (f"refused a client without the job token"
+                                  f"{' at the store' if details.get('service') == 'store' else ''} "
+                                  f"({details.get('client')}{': ' + str(details['why']) if details.get('why') else ''})"),
     }.get(event.kind)
     if text is not None and (event.kind != ev.CHECKPOINT_LOAD or event.rank == 0):
         print(f"[undying {stamp}] {where}: {text()}", file=sys.stderr, flush=True)
@@ -78,8 +84,9 @@ def emit_job_start(controller: Controller, options: LaunchOptions, address: str,
         "strategies": list(spec.recover_strategy), "effective_strategy": chain,
         "unbuilt_strategies": unbuilt_strategies(spec), "max_restarts": spec.max_restarts,
         "controller": address, "store_port": store_port, "command": options.command,
-        "job_id": job_id, "pid": os.getpid(), "failover": options.etcd is not None})
+        "job_id": job_id, "pid": os.getpid(), "failover": options.etcd is not None, "tls": options.tls is not None})
     if not options.quiet:
         print(f"[undying] job {job_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} worker(s), "
-              f"controller {address}, run dir {options.run_dir}", file=sys.stderr)
+              f"controller {'https://' if options.tls is not None else ''}{address}, run dir {options.run_dir}",
+              file=sys.stderr)
         print(f"[undying] {describe_chain(spec)}; max_restarts {spec.max_restarts}", file=sys.stderr, flush=True)

@@ -28,6 +28,11 @@ class ControllerRecord:
     pid: int  # the ``undying run`` process that wrote it
     etcd: str | None = None  # a failover job: its leader is looked up here (the address may be stale)
     job_name: str | None = None
+    # TLS (tls.py): the CA that verifies the controller, and how etcd is reached; paths, not secrets.
+    tls_ca: str | None = None
+    etcd_ca: str | None = None
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
 
 
 def write_private(path: Path, text: str) -> None:
@@ -65,5 +70,6 @@ def read_controller_record(run_dir: Path) -> ControllerRecord:
     data = json.loads((run_dir / CONTROLLER_FILE).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("address"), str):
         raise ValueError(f"{run_dir / CONTROLLER_FILE}: not a controller record")
-    known = {name: data[name] for name in ("address", "job_id", "pid", "etcd", "job_name") if name in data}
+    known = {name: data[name] for name in ("address", "job_id", "pid", "etcd", "job_name", "tls_ca", "etcd_ca",
+                                          "etcd_cert", "etcd_key") if name in data}
     return ControllerRecord(**known)

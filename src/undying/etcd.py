@@ -4,7 +4,7 @@ Runs in ``undying run`` (controller candidates), agents and workers of a job sta
 with ``--etcd``; it sits outside ``undying.controller`` so agents and workers load none
 of the controller. It covers what leader election and the controller's saved state
 need: get, put, delete, a compare-and-put transaction, and leases (grant, keep-alive,
-revoke). Keys and values are text; the gateway wants them base64-encoded and returns
+revoke), over HTTP or HTTPS (a CA, and a client certificate where etcd asks for one: ``tls.py``). Keys and values are text; the gateway wants them base64-encoded and returns
 64-bit numbers as strings, both handled here. Any transport failure or non-200 answer
 is an ``EtcdUnavailable`` naming the endpoint.
 """
@@ -16,6 +16,8 @@ import http.client
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from undying.tls import ClientTls
 
 
 class EtcdUnavailable(ConnectionError):
@@ -52,14 +54,17 @@ def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
 
 class EtcdClient:
     """Talks to an etcd cluster through one of its members' ``host:port`` (comma-separated: the
-    next one is tried when the current one fails). Not thread-safe: give each thread its own."""
+    next one is tried when the current one fails). Not thread-safe: give each thread its own.
+    With ``tls``, HTTPS: each member's certificate verified against its CA (and the member's
+    address), this client's own certificate presented where etcd asks for one."""
 
-    def __init__(self, endpoint: str, timeout: float = 2.0) -> None:
+    def __init__(self, endpoint: str, timeout: float = 2.0, tls: ClientTls | None = None) -> None:
         self.members = parse_endpoints(endpoint)
         self.endpoint = endpoint
         self._member = 0
         self.host, self.port = self.members[0]
         self.timeout = timeout
+        self.tls = tls
         self._conn: http.client.HTTPConnection | None = None
 
     def close(self) -> None:
@@ -74,7 +79,10 @@ class EtcdClient:
         attempts = 2 * len(self.members)
         for attempt in range(attempts):
             if self._conn is None:
-                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                self._conn = (http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+                              if self.tls is None else
+                              http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
+                                                          context=self.tls.context()))
             try:
                 self._conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
                 response = self._conn.getresponse()

@@ -42,6 +42,8 @@ CHECKPOINT_CORRUPT = "checkpoint_corrupt"
 FIRST_STEP = "first_step"
 INJECTION = "injection"
 AUTH_REFUSED = "auth_refused"
+# A request with the job's token whose body the controller refused (400): path, client, the field and why.
+REQUEST_REFUSED = "request_refused"
 WORKER_DONE = "worker_done"
 STEP_FAILED = "step_failed"  # a worker left a step it could not complete (reason in details)
 RECOVERY_BEGIN = "recovery_begin"  # the controller starts a process-level recovery (strategy, new generation)

@@ -39,6 +39,7 @@ from undying.progress import Progress
 from undying.root_probe import t2_root, writes_t2
 from undying.shm import remove_job_dir
 from undying.terminal import Terminal
+from undying.tls import ENV_TLS_CA, ClientTls
 
 BACKUP_REFRESH_S = 1.0
 EXIT_BY_STATE = {JobState.SUCCEEDED.value: 0, JobState.FAILED.value: 1, JobState.CANCELLED.value: 130,
@@ -62,15 +63,17 @@ class ControllerCandidate(threading.Thread):
         bind = options.controller_bind
         self.advertise = socket.gethostname() if bind in ("0.0.0.0", "::") else bind
         self.store: JobStore | None = None
+        self.server_tls = options.tls.context() if options.tls is not None else None
 
     def run(self) -> None:
         spec = self.options.spec
         # A warm candidate: torch.distributed imported and the store listening before it is needed.
-        self.store = JobStore(self.options.controller_bind, timeout=spec.start_timeout)
+        self.store = JobStore(self.options.controller_bind, self.token, timeout=spec.start_timeout,
+                              tls=self.server_tls)
         while not self.stop.is_set():
             candidate = Candidate(self.options.etcd or "", self.options.job_name or "", self.options.lease_ttl,
                                   node=self.options.node_rank if self.options.node_rank is not None else -1,
-                                  store=format_address(self.advertise, self.store.port))
+                                  store=format_address(self.advertise, self.store.port), tls=self.options.etcd_tls)
             if not candidate.campaign(self.stop):
                 return
             if self._lead(candidate):
@@ -96,7 +99,9 @@ class ControllerCandidate(threading.Thread):
         controller = Controller(spec, events, job_id, self.store.port, options.injections_text,
                                 store_host=self.advertise, save_state=candidate.save_state,
                                 t2_root=t2_root(spec, options.run_dir) if writes_t2(spec) else None)
-        server = ControllerServer(controller, self.token, options.controller_bind, 0)
+        server = ControllerServer(controller, self.token, options.controller_bind, 0, tls=self.server_tls)
+        self.store.on_refused = lambda client, why: controller.emit(ev.AUTH_REFUSED, details={
+            "service": "store", "client": client, "why": why})
         candidate.on_lost = controller.depose
         controller.in_charge = candidate.in_charge
         if saved is not None:
@@ -109,8 +114,11 @@ class ControllerCandidate(threading.Thread):
             "pid": os.getpid(), "resumed": saved is not None})
         if saved is None:
             emit_job_start(controller, options, address, self.store.port, job_id)
-        write_controller_files(options.run_dir, ControllerRecord(address, job_id, os.getpid(), options.etcd,
-                                                                 options.job_name), self.token)
+        etcd_tls = options.etcd_tls
+        write_controller_files(options.run_dir, ControllerRecord(
+            address, job_id, os.getpid(), options.etcd, options.job_name, tls_ca=os.environ.get(ENV_TLS_CA),
+            etcd_ca=etcd_tls.ca if etcd_tls else None, etcd_cert=etcd_tls.cert if etcd_tls else None,
+            etcd_key=etcd_tls.key if etcd_tls else None), self.token)
         threading.Thread(target=self._name_backup_store, args=(candidate, controller), daemon=True,
                          name="backup-store").start()
         exit_code = controller.run()
@@ -122,6 +130,7 @@ class ControllerCandidate(threading.Thread):
             events.close()
             return False  # campaign again: we may lead later
         self.exit_code = exit_code
+        self.store.close()
         remove_job_dir(job_id)
         remove_controller_files(options.run_dir)
         server.stop()
@@ -137,10 +146,10 @@ class ControllerCandidate(threading.Thread):
             time.sleep(BACKUP_REFRESH_S)
 
 
-def wait_for_leader(endpoint: str, job: str, timeout: float) -> str | None:
+def wait_for_leader(endpoint: str, job: str, timeout: float, tls: ClientTls | None) -> str | None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        address = locate_controller(endpoint, job)
+        address = locate_controller(endpoint, job, tls=tls)
         if address:
             return address
         time.sleep(0.1)
@@ -155,13 +164,13 @@ def run_ha_node(options: LaunchOptions, terminal: Terminal) -> int:
     os.environ[ENV_ETCD] = options.etcd  # the agent's workers inherit it: they follow the controller too
     os.environ[ENV_HA_JOB] = options.job_name
     try:
-        initial = saved_state(options.etcd, options.job_name)
+        initial = saved_state(options.etcd, options.job_name, options.etcd_tls)
     except EtcdUnavailable as error:
         print(f"undying: error: {error}", file=sys.stderr)
         return 2
     candidate = ControllerCandidate(options, options.token, initial, terminal)
     candidate.start()
-    address = wait_for_leader(options.etcd, options.job_name, options.spec.node_return_timeout)
+    address = wait_for_leader(options.etcd, options.job_name, options.spec.node_return_timeout, options.etcd_tls)
     if address is None:
         candidate.stop.set()
         print(f"undying: error: no controller of job {options.job_name} appeared in etcd "
@@ -176,7 +185,7 @@ def run_ha_node(options: LaunchOptions, terminal: Terminal) -> int:
     if candidate.exit_code is not None:
         return candidate.exit_code
     try:
-        final = saved_state(options.etcd, options.job_name)
+        final = saved_state(options.etcd, options.job_name, options.etcd_tls)
     except EtcdUnavailable:
         return agent_code
     return EXIT_BY_STATE.get(final["state"], agent_code) if final else agent_code

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from undying.config import JobSpec
 from undying.console_streams import ConsoleStreams
+from undying.tls import ClientTls, ServerTls
 
 
 class SigtermAction(StrEnum):
@@ -49,10 +50,20 @@ class LaunchOptions:
     # None: every stream of every rank.
     console_streams: ConsoleStreams | None = None
     sigterm: SigtermAction = SigtermAction.LEAVE  # --sigterm: the agent's answer to SIGTERM/SIGINT
+    # TLS (tls.py): the controller's certificate and key where a controller runs here (node 0, or
+    # every candidate of a failover job); the CA every client of this node verifies it with; etcd's.
+    tls: ServerTls | None = None
+    tls_ca: str | None = None
+    etcd_tls: ClientTls | None = None
 
     @property
     def worker_log_dir(self) -> Path:
         return self.log_dir or self.run_dir / "logs"
+
+    @property
+    def controller_tls(self) -> ClientTls | None:
+        """How this node's own clients verify the controller (None: plain HTTP)."""
+        return ClientTls(self.tls_ca) if self.tls_ca else None
 
     def streams(self) -> ConsoleStreams:
         return self.console_streams or ConsoleStreams.everything(self.spec.nproc_per_node)

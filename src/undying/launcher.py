@@ -39,6 +39,7 @@ from undying.progress import Progress
 from undying.root_probe import t2_root, writes_t2
 from undying.shm import remove_job_dir, remove_node_dir
 from undying.terminal import Terminal, is_live_terminal
+from undying.tls import ENV_TLS_CA, tls_environ
 from undying.worker_env import ENV_INJECT, ENV_SPEC, ENV_TOKEN
 
 RESPAWN_DELAY = 0.2
@@ -177,6 +178,9 @@ def launch(options: LaunchOptions) -> int:
     """Run a whole job (or this node's part of it); returns the exit code for the CLI."""
     options.run_dir.mkdir(parents=True, exist_ok=True)
     options.worker_log_dir.mkdir(parents=True, exist_ok=True)
+    # This process's clients, its agents and their workers verify the controller and etcd with these
+    # (as they learn the etcd endpoint: from the environment they inherit).
+    os.environ.update(tls_environ(options.tls_ca, options.etcd_tls))
     with console_for(options) as terminal:
         if options.etcd:
             from undying.ha_node import run_ha_node
@@ -208,13 +212,16 @@ def _run_controller_node(options: LaunchOptions, terminal: Terminal) -> int:
     # Recovery plans name the store to every worker, on every node: an address of this machine
     # that the others can reach, not loopback (unless every node is simulated here).
     store_host = advertised_host if wildcard and advertised_host and options.node_rank is not None else connect_host
-    store = JobStore(options.controller_bind, timeout=spec.start_timeout)
+    server_tls = options.tls.context() if options.tls is not None else None
+    store = JobStore(options.controller_bind, token, timeout=spec.start_timeout, tls=server_tls)
     agents_holder: list[LocalAgents] = []
     controller = Controller(spec, events, job_id, store.port, options.injections_text,
                             on_node_lost=lambda node: agents_holder[0].kill_node(node) if agents_holder else None,
                             store_host=store_host,
                             t2_root=t2_root(spec, options.run_dir) if writes_t2(spec) else None)
-    server = ControllerServer(controller, token, options.controller_bind, bind_port)
+    store.on_refused = lambda client, why: controller.emit(ev.AUTH_REFUSED, details={
+        "service": "store", "client": client, "why": why})
+    server = ControllerServer(controller, token, options.controller_bind, bind_port, tls=server_tls)
     server.start()
     agents = LocalAgents(options, format_address(connect_host, server.port), token, terminal)
     agents.controller = controller
@@ -222,7 +229,8 @@ def _run_controller_node(options: LaunchOptions, terminal: Terminal) -> int:
     agents_holder.append(agents)
     emit_job_start(controller, options, server.address, store.port, job_id)
     # `undying status RUN_DIR` finds the controller and its token here while the job runs.
-    write_controller_files(options.run_dir, ControllerRecord(agents.controller_address, job_id, os.getpid()), token)
+    write_controller_files(options.run_dir, ControllerRecord(agents.controller_address, job_id, os.getpid(),
+                                                             tls_ca=os.environ.get(ENV_TLS_CA)), token)
 
     signals_received: list[str] = []
 
@@ -253,6 +261,7 @@ def _run_controller_node(options: LaunchOptions, terminal: Terminal) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         server.stop()
+        store.close()
         remove_controller_files(options.run_dir)
         events.close()
     assert exit_code is not None  # only a failover job's controller (ha_node.py) is ever deposed

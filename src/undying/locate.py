@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable, Mapping
 
 from undying.etcd import EtcdClient, EtcdUnavailable
+from undying.tls import ClientTls, etcd_tls_from_environ
 
 ENV_ETCD = "UNDYING_ETCD"  # host:port of etcd, in agents and workers of a failover job
 ENV_HA_JOB = "UNDYING_HA_JOB"  # the job's name (its key prefix in etcd)
@@ -22,9 +23,10 @@ def job_prefix(job: str) -> str:
     return f"/undying/{job}"
 
 
-def locate_controller(endpoint: str, job: str, timeout: float = 1.0) -> str | None:
-    """The current leader's controller address ``host:port``, or None while there is none."""
-    client = EtcdClient(endpoint, timeout=timeout)
+def locate_controller(endpoint: str, job: str, timeout: float = 1.0, tls: ClientTls | None = None) -> str | None:
+    """The current leader's controller address ``host:port``, or None while there is none. etcd is
+    reached with ``tls``, or by default as this process's environment says (``tls.ENV_ETCD_CA``)."""
+    client = EtcdClient(endpoint, timeout=timeout, tls=tls if tls is not None else etcd_tls_from_environ())
     try:
         record = client.get(f"{job_prefix(job)}/leader")
     except EtcdUnavailable:
@@ -45,4 +47,5 @@ def locator_from_env(env: Mapping[str, str]) -> Callable[[], str | None] | None:
     endpoint, job = env.get(ENV_ETCD), env.get(ENV_HA_JOB)
     if not endpoint or not job:
         return None
-    return lambda: locate_controller(endpoint, job)
+    tls = etcd_tls_from_environ(env)
+    return lambda: locate_controller(endpoint, job, tls=tls)

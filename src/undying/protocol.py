@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, ClassVar, TypeVar
 
+from undying.field_types import check_fields
+
 # 2: a plan's and an order's rank lists travel as runs (``encode_runs``), not rank by rank.
 # 3: a heartbeat carries ``max_steps`` (the console's step of total) and ``scalars`` (ft.log) instead of ``loss``.
 PROTOCOL_VERSION = 3
@@ -117,11 +119,14 @@ class Message:
 
     @classmethod
     def from_dict(cls: type[M], data: dict[str, Any]) -> M:
+        """The message ``data`` holds; ValueError naming the field whose value is not of its type
+        (field_types.py), TypeError when a required field is missing."""
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
         values = {k: v for k, v in data.items() if k in names}
         for name in cls.RUN_FIELDS:
             if f"{name}_runs" in data:
                 values[name] = decode_runs(data[f"{name}_runs"], f"{cls.__name__}.{name}_runs")
+        check_fields(cls, values)
         return cls(**values)
 
 
@@ -291,3 +296,11 @@ class InjectionClaim(Message):
 @dataclass
 class Granted(Message):
     granted: bool
+
+
+@dataclass
+class StopRequest(Message):
+    """``undying stop`` (or SIGTERM's equivalent over HTTP): stop the job, gracefully unless ``now``."""
+
+    reason: str = ""
+    now: bool = False

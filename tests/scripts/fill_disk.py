@@ -1,13 +1,15 @@
 """A small training job whose node's disk fills up part-way (tests/faults/test_checkpoint_root.py).
 
 Runs in every worker. Rank 0 writes ``--fill FILE`` until the filesystem is full once it reaches
-``--fill-at`` (something else on the node filled the checkpoint disk); the job trains on.
+``--fill-at`` (something else on the node filled the checkpoint disk), and deletes it again at
+``--free-at`` (the space is freed); the job trains on throughout.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import os
 
 import torch
 
@@ -31,6 +33,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--fill", default="")
     parser.add_argument("--fill-at", type=int, default=-1)
+    parser.add_argument("--free-at", type=int, default=-1)
     args, _ = parser.parse_known_args()
     ft = undying.init()
     torch.manual_seed(0)
@@ -39,6 +42,8 @@ def main() -> None:
     for step in ft.steps(args.steps):
         if ft.rank == 0 and step == args.fill_at and args.fill:
             fill(args.fill)
+        if ft.rank == 0 and step == args.free_at and args.fill:
+            os.remove(args.fill)
         model(torch.ones(8, 64)).square().mean().backward()
         opt.step()
         opt.zero_grad()

@@ -25,6 +25,7 @@ from undying.controller.core import Controller
 from undying.controller.server import ControllerServer
 from undying.controller.state import JobState
 from undying.events import EventLog, read_events
+from undying.inject import encode, parse_injections
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
     ROUTE_AGENT_POLL,
@@ -150,6 +151,7 @@ def test_every_route_answers_the_right_token(served, method, path, payload):
 
 def test_authorized_requests_do_what_they_say(served):
     controller = served.controller
+    controller.machine.injections_text = encode(parse_injections(["raise:rank=0:step=0"]))
     # The run loop starts generation 1 once both nodes said hello, so the claims have a rank to belong to.
     loop = threading.Thread(target=controller.run, name="controller-run", daemon=True)
     loop.start()

@@ -35,7 +35,7 @@ from undying.checkpoint import (
 )
 from undying.checkpoint.backend import Location, StorageBackend
 from undying.checkpoint.local_backend import LocalBackend
-from undying.checkpoint.manifest import checksum_bytes
+from undying.checkpoint.manifest import PARTIAL_RE, checksum_bytes, generation_dir_id
 from undying.checkpoint.storage import backend_for
 from undying.checkpoint.url_backend import UrlBackend
 
@@ -682,3 +682,29 @@ def test_backend_lists_only_what_was_published(backend_root: Location) -> None:
     backend.remove_checkpoint(final)
     assert list(backend.scan(backend_root)) == []
     assert list(backend.scan(f"{backend_root}-missing" if is_url(backend_root) else Path(f"{backend_root}-missing"))) == []
+
+
+def test_a_commit_removes_its_generations_failed_checkpoints_of_earlier_steps(backend_root: Location) -> None:
+    """Checkpoints of steps 15 and 20 failed part-way (a full disk) and left their partial files; the
+    commit of step 25 by the same generation removes them, not a later generation's, not a later step's."""
+    make_root(backend_root)
+    backend = backend_for(backend_root)
+    for step, generation in ((15, 2), (20, 2), (30, 2), (20, 3)):
+        backend.write_file(staging_dir(backend_root, step, generation), "rank_0.pt", b"partial")
+    staging = staging_dir(backend_root, 25, 2)
+    records = [save_object(staging, rank_file(0), {"step": 25})]
+    commit(backend_root, staging, step=25, generation=2, world_size=1, files=records)
+    assert unfinished(backend_root) == {(30, 2), (20, 3)}
+    assert [ckpt.step for ckpt in list_committed(backend_root)] == [25]
+
+
+def unfinished(root: Location) -> set[tuple[int, int]]:
+    """(step, generation) of every directory under ``root`` that is not a committed checkpoint."""
+    if is_url(root):
+        from undying.checkpoint.url_backend import UrlDir
+
+        directory = UrlDir.open(root)
+        return {ident for name in directory.children() if (ident := generation_dir_id(name))
+                and not directory.fs.exists(directory.child(name).member(MANIFEST_NAME))}
+    return {(int(match.group(1)), int(match.group(2))) for entry in Path(root).iterdir()
+            if (match := PARTIAL_RE.fullmatch(entry.name))}

@@ -18,6 +18,7 @@ from undying import events as ev
 from undying.config import spec_to_dict
 from undying.controller.state import ALLOWED_TRANSITIONS, IllegalTransition, JobState, check_transition
 from undying.events import Event
+from undying.inject import encode, parse_injections
 from undying.protocol import (
     AgentHello,
     AgentLeave,
@@ -333,7 +334,9 @@ def test_a_node_that_never_returns_fails_the_job(make_job):
 def test_hello_again_from_a_live_node_is_a_loss_and_a_restart(make_job):
     job = make_job(nnodes=2, nproc_per_node=1)
     job.start_running()
-    assert job.hello(1).accepted
+    assert job.hello(1).accepted  # the same agent's hello again (a retry whose first answer was lost): no news
+    assert not job.events(ev.AGENT_LOST)
+    assert job.controller.hello(AgentHello(1, 5001, "host1", 1)).accepted  # a new agent process: restarted
     assert job.next_order(0, 1, job.statuses(0, 1)).kind == OrderKind.STOP
     [lost] = job.events(ev.AGENT_LOST)
     assert lost.node == 1
@@ -359,6 +362,7 @@ def test_cancel_ends_the_job_with_130_and_orders_agents_to_exit(make_job):
 
 def test_an_injection_is_granted_once_and_only_in_the_current_generation(make_job):
     job = make_job(nproc_per_node=2)
+    job.controller.machine.injections_text = encode(parse_injections(["raise:rank=0:step=3"] * 2))
     job.start_running()
     claim = job.controller.claim_injection
     assert claim(InjectionClaim(index=0, rank=0, node=0, generation=1, step=3))
@@ -366,6 +370,7 @@ def test_an_injection_is_granted_once_and_only_in_the_current_generation(make_jo
     assert not claim(InjectionClaim(index=0, rank=0, node=0, generation=1, step=4))
     assert not claim(InjectionClaim(index=1, rank=0, node=0, generation=0, step=3))
     assert claim(InjectionClaim(index=1, rank=0, node=0, generation=1, step=3))
+    assert not claim(InjectionClaim(index=2, rank=0, node=0, generation=1, step=3))  # the job has no third
     assert job.controller.claimed_injections == {0, 1}
 
 

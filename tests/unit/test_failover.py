@@ -17,6 +17,7 @@ from undying.controller.ha import Candidate
 from undying.controller.state import JobState
 from undying.etcd import EtcdClient
 from undying.events import read_events
+from undying.inject import encode, parse_injections
 from undying.locate import locate_controller
 from undying.protocol import AgentPoll, InjectionClaim, OrderKind, PlanAction, RecoverRequest
 
@@ -92,10 +93,13 @@ def test_a_controller_that_takes_over_a_recovery_restarts_the_job(tmp_path: Path
 
 
 def test_an_injection_claimed_before_the_failover_is_not_granted_again(tmp_path: Path) -> None:
+    injections = encode(parse_injections(["raise:rank=0:step=10"]))
     first = Job(tmp_path / "a", **RECOVERABLE)
+    first.controller.machine.injections_text = injections
     first.start_running()
     assert first.controller.claim_injection(InjectionClaim(0, 0, 0, 1, 10))
     job = successor(tmp_path / "b", first.controller.export_state())
+    job.controller.machine.injections_text = injections
     assert not job.controller.claim_injection(InjectionClaim(0, 0, 0, 1, 10))
 
 

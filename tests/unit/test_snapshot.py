@@ -267,3 +267,16 @@ def test_stale_shared_memory_of_dead_jobs_is_removed(tmp_path: Path) -> None:
 
 def _rss_bytes() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_slot_file_left_empty_by_a_failed_allocation_holds_nothing(tmp_path: Path) -> None:
+    """Node memory full at a slot's allocation leaves its file empty (or shorter than a header): a
+    reader (a replacement, a node's other rank) sees no snapshot there instead of failing, and a
+    writer grows it anew."""
+    (tmp_path / "rank00000.slot0").touch()
+    (tmp_path / "rank00000.slot1").write_bytes(b"\0" * 100)
+    snapshots = RankSnapshots(tmp_path, rank=0)
+    assert snapshots.committed() == []
+    snapshots.write({"w": torch.ones(8)}, step=3, generation=1, world_size=1)
+    assert [info.step for info in snapshots.committed()] == [3]
+    snapshots.close()

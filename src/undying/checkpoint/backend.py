@@ -106,3 +106,8 @@ class StorageBackend(Protocol):
     def remove_stale(self, root: PathLike, current_generation: int) -> list[Location]:
         """Delete other generations' unfinished directories and leftovers of replaced or cut-short
         deletions; return what was removed. Only while no commit runs."""
+
+    def remove_abandoned(self, root: PathLike, generation: int, before_step: int) -> list[Location]:
+        """Delete ``generation``'s unfinished directories of steps before ``before_step``, whose
+        checkpoints failed (a full disk): once that generation committed ``before_step`` every
+        member is done with them. Return what was removed."""

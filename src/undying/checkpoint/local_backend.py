@@ -154,6 +154,16 @@ class LocalBackend:
         return removed
 
 
+    def remove_abandoned(self, root: PathLike, generation: int, before_step: int) -> list[Location]:
+        removed: list[Location] = []
+        for entry in sorted(Path(root).iterdir()):
+            match = PARTIAL_RE.fullmatch(entry.name)
+            if match is not None and int(match.group(2)) == generation and int(match.group(1)) < before_step:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+        return removed
+
+
 def _fsync(path: Path) -> None:
     """Make renames and creations inside the directory ``path`` durable (on a file: its contents)."""
     fd = os.open(path, os.O_RDONLY)

@@ -48,7 +48,10 @@ class RankSnapshots:
 
     - A snapshot is visible (``committed``, ``read``, ``pin``) only once it is complete: its
       slot's commit word is written after every byte of data and metadata, and a reader
-      checks that word and the CRC-32 of header and metadata. A writer killed mid-copy
+      checks that word and the CRC-32 of header and metadata. Its data is loaded only if it
+      matches the CRC-32 of the data written at the commit (checked when a slot is opened from
+      its file, and before each read in the writer's process): a byte changed in memory since
+      makes the slot hold nothing (CorruptSnapshot, a KeyError), and readers take the next source. A writer killed mid-copy
       leaves that slot EMPTY-or-WRITING, and the other slots still hold older snapshots.
     - ``write`` never overwrites a pinned snapshot (the persister's), nor the newest one unless
       a pinned snapshot remains to fall back on; when no slot qualifies it skips the snapshot
@@ -266,6 +269,7 @@ class RankSnapshots:
         slot = self._slots[slot_index]
         if slot.info is None:
             raise KeyError(f"slot {slot_index} of rank {self.rank} holds no snapshot")
+        slot.verify_data()  # memory corrupted since the commit: never loaded, the caller takes the next source
         skeleton, layout = slot.read_meta()
         views = slot.lay_out(layout)
         tensors = [view.clone() for view in views] if clone else list(views)
@@ -279,6 +283,7 @@ class RankSnapshots:
         slot = self._slots[slot_index]
         if slot.info is None:
             raise KeyError(f"slot {slot_index} of rank {self.rank} holds no snapshot")
+        slot.verify_data()
         return slot.raw_parts()
 
     def read(self, step: int, live: Any = None) -> Any:

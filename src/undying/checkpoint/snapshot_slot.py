@@ -7,8 +7,8 @@ worker's SIGKILL, and the node's agent removes them when the job ends.
 File of one slot (``rank<R>.slot<K>``)::
 
     [0, 4096)        header: magic, format, sequence number, step, generation, world size,
-                     data/meta extents, CRC-32 of the meta block and of the header fields;
-                     a separate ``state`` word: EMPTY, WRITING or COMMITTED
+                     data/meta extents, CRC-32 of the meta block, of the data region and of the
+                     header fields; a separate ``state`` word: EMPTY, WRITING or COMMITTED
     [4096, ...)      tensor data, each tensor 64-byte aligned, in the order of flatten_state
     [meta_offset...) meta block: pickle of the state's skeleton (everything but tensors) and
                      the tensor layout (offset, dtype, shape)
@@ -30,7 +30,7 @@ import torch
 from undying.checkpoint.crc import crc32
 
 MAGIC = b"UNDYSNAP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the data region's CRC-32 in the header
 HEADER_BYTES = 4096
 ALIGN = 64
 META_SLACK = 1 << 20  # room for the meta block to grow (loader positions, user state) without a remap
@@ -39,8 +39,8 @@ STATE_EMPTY = 0
 STATE_WRITING = 1
 STATE_COMMITTED = 2
 
-# magic, format, seq, step, generation, world_size, data_bytes, meta_offset, meta_bytes, meta_crc
-_HEADER = struct.Struct("<8sIQqqqQQQI")
+# magic, format, seq, step, generation, world_size, data_bytes, meta_offset, meta_bytes, meta_crc, data_crc
+_HEADER = struct.Struct("<8sIQqqqQQQII")
 _STATE_OFFSET = 128  # the commit word, apart from the fields it vouches for
 _HEADER_CRC_OFFSET = 132
 _WORD = struct.Struct("<I")
@@ -48,6 +48,12 @@ _WORD = struct.Struct("<I")
 
 class SnapshotUnavailable(RuntimeError):
     """Node shared memory could not hold the snapshot (e.g. /dev/shm is full)."""
+
+
+class CorruptSnapshot(KeyError):
+    """A committed slot whose data no longer matches its CRC-32 (memory corrupted since it was
+    written): it holds no snapshot. A KeyError, as for a step the slot does not hold: every reader
+    then takes the next source (another T1 step, a live replica, T2)."""
 
 
 @dataclass(frozen=True)
@@ -94,9 +100,14 @@ class Slot:
         self.views: list[torch.Tensor] = []
         self.info: SnapshotInfo | None = None  # set while the slot holds a complete snapshot
         self._page_locked: int | None = None  # the address registered with CUDA (page-locked), if any
-        if path is not None and path.exists():
-            self._map(path.stat().st_size)
+        size = path.stat().st_size if path is not None and path.exists() else 0
+        if size >= HEADER_BYTES:
+            try:
+                self._map(size)
+            except SnapshotUnavailable:
+                return  # cannot be mapped: it holds nothing a reader may take (a writer grows it anew)
             self.info = self._read_info()
+        # Smaller (an allocation that failed on a full node memory left it empty): it holds nothing.
 
     # -- memory
 
@@ -188,8 +199,10 @@ class Slot:
         assert self._mm is not None
         meta_offset = HEADER_BYTES + data_bytes
         self._mm[meta_offset:meta_offset + len(meta)] = meta
+        # On the committing thread: the copy's helper thread when the copy overlaps training (GPU state by
+        # default), else the training thread, where it adds a pass over the data to the snapshot's stall.
         fields = _HEADER.pack(MAGIC, FORMAT_VERSION, seq, step, generation, world_size, data_bytes,
-                              meta_offset, len(meta), crc32(meta))
+                              meta_offset, len(meta), crc32(meta), self._data_crc(data_bytes))
         self._mm[:_HEADER.size] = fields
         _WORD.pack_into(self._mm, _HEADER_CRC_OFFSET, crc32(fields))
         # Written last: until this word says COMMITTED, no reader takes the slot (a torn copy stays invisible).
@@ -206,13 +219,32 @@ class Slot:
         fields = bytes(mm[:_HEADER.size])
         if crc32(fields) != _WORD.unpack_from(mm, _HEADER_CRC_OFFSET)[0]:
             return None
-        magic, version, seq, step, generation, world_size, data_bytes, meta_offset, meta_bytes, meta_crc = \
-            _HEADER.unpack(fields)
-        if magic != MAGIC or version != FORMAT_VERSION or meta_offset + meta_bytes > self.size:
+        magic, version, seq, step, generation, world_size, data_bytes, meta_offset, meta_bytes, meta_crc, data_crc \
+            = _HEADER.unpack(fields)
+        if magic != MAGIC or version != FORMAT_VERSION or meta_offset + meta_bytes > self.size \
+                or HEADER_BYTES + data_bytes > meta_offset:
             return None
         if crc32(mm[meta_offset:meta_offset + meta_bytes]) != meta_crc:
             return None
+        # Opened from its file (another process: a restart, a replacement, a node's other rank): the data
+        # is checked here, once, before anyone is told the slot holds a snapshot.
+        if self._data_crc(data_bytes) != data_crc:
+            return None
         return SnapshotInfo(self.index, seq, step, generation, world_size, data_bytes)
+
+    def _data_crc(self, data_bytes: int) -> int:
+        assert self._mm is not None
+        with memoryview(self._mm) as whole, whole[HEADER_BYTES:HEADER_BYTES + data_bytes] as data:
+            return crc32(data)
+
+    def verify_data(self) -> None:
+        """Raise CorruptSnapshot (and forget the snapshot) when the data region no longer matches the
+        CRC-32 written at its commit; a reader in the writer's own process calls it before it reads."""
+        assert self._mm is not None and self.info is not None
+        fields = _HEADER.unpack_from(self._mm, 0)
+        if self._data_crc(fields[6]) != fields[10]:
+            self.info = None
+            raise CorruptSnapshot(f"{self.path or 'private memory'}: the snapshot's data does not match its CRC-32")
 
     def data_region(self, data_bytes: int) -> memoryview:
         """The first ``data_bytes`` of the data region as writable bytes: a copy received from another

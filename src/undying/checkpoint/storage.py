@@ -210,7 +210,8 @@ def commit(
     ``step_<step>`` in one step; an existing checkpoint of the same step (committed again after
     a restart) is moved aside, replaced and deleted. URL root: the manifest, one object, was
     the commit; older generations' directories of the same step are deleted. With ``keep``,
-    older checkpoints beyond the ``keep`` newest are pruned, after the commit.
+    older checkpoints beyond the ``keep`` newest are pruned, after the commit, and so are this
+    generation's unfinished directories of earlier steps (checkpoints that failed).
     """
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -235,6 +236,9 @@ def commit(
     backend.write_file(staging, MANIFEST_NAME, manifest.to_json().encode())
     final = backend.publish(root, staging, step, generation)
     logger.info("committed checkpoint step %d (generation %d) at %s", step, generation, final)
+    # This generation's checkpoints that failed before this one (a full disk) leave their partial
+    # files behind: nobody will finish them, and they hold the space the next ones need.
+    backend.remove_abandoned(root, generation, step)
     if keep is not None:
         prune(root, keep)
     return CommittedCheckpoint(final, manifest)

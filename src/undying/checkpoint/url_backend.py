@@ -175,6 +175,21 @@ class UrlBackend:
         return sorted(directory.url for directory in stale)
 
 
+    def remove_abandoned(self, root: PathLike, generation: int, before_step: int) -> list[Location]:
+        root_dir = UrlDir.open(root)
+        abandoned = []
+        for name in root_dir.children():
+            ident = generation_dir_id(name)
+            if ident is None or ident[1] != generation or ident[0] >= before_step:
+                continue
+            directory = root_dir.child(name)
+            if not directory.fs.exists(directory.member(MANIFEST_NAME)):
+                abandoned.append(directory)
+        for directory in abandoned:
+            _remove(directory)
+        return sorted(directory.url for directory in abandoned)
+
+
 def _makedirs(directory: UrlDir) -> None:
     """Needed by filesystems with real directories (``file://``); a no-op on object stores."""
     directory.fs.makedirs(directory.path, exist_ok=True)

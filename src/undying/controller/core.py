@@ -265,8 +265,9 @@ class Controller:
             self._check_in_charge()
             return self._apply(lambda now: self.machine.heartbeat(now, beat), News.NEVER)
 
-    def worker_event(self, data: dict[str, Any]) -> None:
-        event = Event.from_dict(data)
+    def worker_event(self, event: Event | dict[str, Any]) -> None:
+        """A worker's event (as the HTTP route checked it, message_checks.worker_event, or its fields)."""
+        event = event if isinstance(event, Event) else Event.from_dict(event)
         with self._cond:
             self._check_in_charge()
             self._apply(lambda now: self.machine.worker_event(now, event))

@@ -31,15 +31,16 @@ from typing import Any
 
 from undying.etcd import EtcdClient, EtcdUnavailable, KeyValue
 from undying.locate import job_prefix
+from undying.tls import ClientTls
 
 # A leader acts only within this fraction of the ttl after its last confirmed renewal (renewals
 # come every ttl/3), so it stops before etcd can let the lease expire and another candidate win.
 IN_CHARGE_FRACTION = 0.8
 
 
-def saved_state(endpoint: str, job: str) -> dict[str, Any] | None:
+def saved_state(endpoint: str, job: str, tls: ClientTls | None = None) -> dict[str, Any] | None:
     """The job's saved controller state (``Controller.export_state``), or None if there is none."""
-    client = EtcdClient(endpoint)
+    client = EtcdClient(endpoint, tls=tls)
     try:
         return _state_of(client.get(f"{job_prefix(job)}/state"))
     finally:
@@ -54,7 +55,7 @@ class Candidate:
     """One controller candidate of a job: campaigns, and while leader renews its lease."""
 
     def __init__(self, endpoint: str, job: str, ttl: int, on_lost: Callable[[], None] | None = None,
-                 node: int = -1, store: str = "") -> None:
+                 node: int = -1, store: str = "", tls: ClientTls | None = None) -> None:
         if ttl < 2:
             raise ValueError("the leader lease ttl must be at least 2 s")
         self.endpoint = endpoint
@@ -67,8 +68,8 @@ class Candidate:
         self.lease = 0
         self.record = ""  # our leader record while we lead
         self.leading = threading.Event()
-        self._client = EtcdClient(endpoint, timeout=max(1.0, ttl / 3))
-        self._renew_client = EtcdClient(endpoint, timeout=max(1.0, ttl / 3))  # the lease thread's own
+        self._client = EtcdClient(endpoint, timeout=max(1.0, ttl / 3), tls=tls)
+        self._renew_client = EtcdClient(endpoint, timeout=max(1.0, ttl / 3), tls=tls)  # the lease thread's own
         self._lock = threading.Lock()  # the main client: the candidate thread and the controller's
         self.lost_reason = ""
         self._renewed = 0.0  # monotonic time of the last renewal etcd confirmed

@@ -138,6 +138,9 @@ class JobMachine:
             return HelloReply(self.job_id, self.store_port, False, message)
         nodes = self.membership.nodes
         previous = nodes.get(hello.node)
+        if previous is not None and previous.alive and hello.pid and previous.pid == hello.pid \
+                and previous.hostname == hello.hostname and previous.standby == hello.standby:
+            return HelloReply(self.job_id, self.store_port)  # the same agent's hello again (a retry): no news
         if not hello.standby and previous is not None and previous.alive and hello.node in self.membership.adopted_by \
                 and previous.pid != hello.pid:
             return self._returned_as_spare(hello, now)
@@ -295,11 +298,11 @@ class JobMachine:
         self.now = now
         record = self.membership.ranks.get(claim.rank)
         stale = record is None or claim.generation < record.spawn_generation
-        if claim.index in self.claimed_injections or stale:
+        injection = next((i for i in decode_injections(self.injections_text) if i.index == claim.index), None)
+        if claim.index in self.claimed_injections or stale or injection is None:
             return False
         self.claimed_injections.add(claim.index)
-        injection = next((i for i in decode_injections(self.injections_text) if i.index == claim.index), None)
-        if injection is not None and injection.kind == "node" and injection.down is not None:
+        if injection.kind == "node" and injection.down is not None:
             self.node_down_until[claim.node] = now + injection.down
         return True
 

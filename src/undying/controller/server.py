@@ -2,7 +2,9 @@
 
 Runs in the controller process, one thread per connection. Every route, reads
 included, needs ``Authorization: Bearer <job token>``; a request without it gets 401,
-is logged as an ``auth_refused`` event, and changes nothing.
+is logged as an ``auth_refused`` event, and changes nothing. Given a TLS context
+(``undying run --tls-cert/--tls-key``) it serves HTTPS only; a client that fails the
+handshake (plain HTTP, a certificate it does not trust) is logged as ``auth_refused`` too.
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ import hmac
 import json
 import select
 import socket
+import ssl
 import sys
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 
 from undying import events as ev
 from undying.client import format_address
 from undying.controller.core import Controller, NotInCharge
+from undying.controller.message_checks import check_request, worker_event
 from undying.events import Event, read_events
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
@@ -41,10 +46,14 @@ from undying.protocol import (
     Granted,
     Heartbeat,
     InjectionClaim,
+    Message,
     Plan,
     RecoverRequest,
+    StopRequest,
 )
+from undying.tls import HANDSHAKE_TIMEOUT_S
 
+M = TypeVar("M", bound=Message)
 MAX_BODY = 1 << 20
 SHUTDOWN_POLL_S = 0.05  # how soon ``ControllerServer.stop`` returns
 
@@ -67,11 +76,32 @@ class PlanReplies:
 
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
+    tls: ssl.SSLContext | None = None  # HTTPS: each connection's handshake runs on its own thread
+    on_tls_refused: Callable[[str, str], object] = staticmethod(lambda client, why: None)
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        # Not in accept(): a client that never finishes its handshake must not hold up the others.
+        request.settimeout(HANDSHAKE_TIMEOUT_S)
+        request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the handshake's writes too (Nagle)
+        try:
+            secured = self.tls.wrap_socket(request, server_side=True)
+        except (OSError, ssl.SSLError) as error:
+            request.close()
+            self.on_tls_refused(client_address[0], f"TLS handshake failed: {getattr(error, 'reason', None) or error}")
+            return
+        secured.settimeout(None)
+        try:
+            super().finish_request(secured, client_address)
+        finally:
+            secured.close()  # the plain socket was detached into it: closing that one closes nothing
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that died mid-request (a killed agent or worker) is normal here.
         error = sys.exc_info()[1]
-        if isinstance(error, (BrokenPipeError, ConnectionResetError, TimeoutError)):
+        if isinstance(error, (BrokenPipeError, ConnectionResetError, TimeoutError, ssl.SSLError)):
             return
         super().handle_error(request, client_address)
 
@@ -79,12 +109,16 @@ class _QuietServer(ThreadingHTTPServer):
 class ControllerServer:
     """Serves one Controller on (host, port); port 0 picks a free one."""
 
-    def __init__(self, controller: Controller, token: str, host: str, port: int = 0) -> None:
+    def __init__(self, controller: Controller, token: str, host: str, port: int = 0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.controller = controller
         self.token = token
         self.plan_replies = PlanReplies()
         handler = _make_handler(self)
         self.httpd = _QuietServer((host, port), handler)
+        self.httpd.tls = tls
+        self.httpd.on_tls_refused = lambda client, why: controller.events.emit(Event(
+            kind=ev.AUTH_REFUSED, details={"client": client, "why": why}))
         self.host = host
         self.port: int = self.httpd.server_address[1]
         # A short poll: ``stop`` waits for the loop's next look at its shutdown flag (0.5 s by default,
@@ -135,7 +169,8 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
             by another before its answer, so anything readable now is the close)."""
             try:
                 readable, _, _ = select.select([self.connection], [], [], 0)
-                return not readable or self.connection.recv(1, socket.MSG_PEEK) != b""
+                # The TCP stream itself (under TLS too: a peek below the TLS layer): b"" is the close.
+                return not readable or socket.socket.recv(self.connection, 1, socket.MSG_PEEK) != b""
             except OSError:
                 return False
 
@@ -213,33 +248,43 @@ def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
             except NotInCharge:
                 self._not_in_charge()
             except (ValueError, TypeError, KeyError) as error:
+                # Logged: a client of the job sending what the controller refuses is a bug worth seeing.
+                controller.events.emit(Event(kind=ev.REQUEST_REFUSED, details={
+                    "path": self.path, "client": self.client_address[0], "error": str(error)[:300]}))
                 self._json({"error": f"bad request: {error}"}, 400)
+
+        def _decoded(self, kind: type[M], payload: dict[str, Any]) -> M:
+            """The request as a ``kind``, its types and values checked (message_checks.py): nothing
+            of a request with a bad value reaches the job machine."""
+            message = kind.from_dict(payload)
+            check_request(controller.machine.spec, message)
+            return message
 
         def _route_post(self, payload: dict[str, Any]) -> None:
             if self.path == ROUTE_AGENT_HELLO:
-                self._json(controller.hello(AgentHello.from_dict(payload)).to_dict())
+                self._json(controller.hello(self._decoded(AgentHello, payload)).to_dict())
             elif self.path == ROUTE_AGENT_POLL:
-                poll = AgentPoll.from_dict(payload)
+                poll = self._decoded(AgentPoll, payload)
                 self.polling_agent = (poll.node, poll.pid)
                 self._json(controller.poll(poll, connected=self._connected).to_dict())
             elif self.path == ROUTE_AGENT_LEAVE:
-                self._json({"ok": controller.agent_leaving(AgentLeave.from_dict(payload))})
+                self._json({"ok": controller.agent_leaving(self._decoded(AgentLeave, payload))})
             elif self.path == ROUTE_AGENT_REPORT:
-                controller.report(AgentPoll.from_dict(payload))
+                controller.report(self._decoded(AgentPoll, payload))
                 self._json({"ok": True})
             elif self.path == ROUTE_WORKER_HEARTBEAT:
-                self._json(controller.heartbeat(Heartbeat.from_dict(payload)).to_dict())
+                self._json(controller.heartbeat(self._decoded(Heartbeat, payload)).to_dict())
             elif self.path == ROUTE_WORKER_RECOVER:
-                plan = controller.recover(RecoverRequest.from_dict(payload))
+                plan = controller.recover(self._decoded(RecoverRequest, payload))
                 self._reply(200, server.plan_replies.encode(plan))
             elif self.path == ROUTE_EVENT:
-                controller.worker_event(payload)
+                controller.worker_event(worker_event(controller.machine.spec, payload))
                 self._json({"ok": True})
             elif self.path == ROUTE_INJECT_CLAIM:
-                self._json(Granted(controller.claim_injection(InjectionClaim.from_dict(payload))).to_dict())
+                self._json(Granted(controller.claim_injection(self._decoded(InjectionClaim, payload))).to_dict())
             elif self.path == ROUTE_JOB_STOP:
-                controller.request_stop(str(payload.get("reason") or "stopped through the HTTP endpoint"),
-                                        at_once=payload.get("now") is True)
+                stop = self._decoded(StopRequest, payload)
+                controller.request_stop(stop.reason or "stopped through the HTTP endpoint", at_once=stop.now)
                 self._json({"ok": True})
             else:
                 self._json({"error": "not found"}, 404)

@@ -23,6 +23,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from undying.store_link import StoreLink
+
 ABORT_POLL_S = 0.05  # how often a waiting collective checks for an abort from the controller
 DEVICE_POLL_MIN_S = 0.0001  # NCCL: first pause between polls of a collective's completion on the GPU
 DEVICE_POLL_MAX_S = 0.002  # ... doubling up to this
@@ -51,8 +53,10 @@ class CollectiveError(RuntimeError):
 
 
 def connect_store(host: str, port: int, timeout: float) -> dist.Store:
-    """A client connection to the controller's TCPStore."""
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout),
+    """A client connection to the job's TCPStore, through this process's authenticated link to the
+    store's gate at (host, port) (store_link.py): the one place a worker connects to the store."""
+    local_host, local_port = StoreLink.from_environ().local_end(host, port, timeout)
+    return dist.TCPStore(local_host, local_port, is_master=False, timeout=datetime.timedelta(seconds=timeout),
                          wait_for_workers=False)
 
 
