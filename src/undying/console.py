@@ -15,6 +15,7 @@ from undying import events as ev
 from undying.controller.persist_health import failed_checkpoint_line
 from undying.controller.strategies import describe_chain, effective_chain, unbuilt_strategies
 from undying.events import Event
+from undying.incidents import INCIDENT_KINDS, describe_incident
 from undying.launch_options import LaunchOptions
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ def print_event(event: Event) -> None:
         ev.JOB_END: lambda: f"job {details.get('outcome')}: {details.get('message')}",
         ev.AUTH_REFUSED: lambda: f"refused a client without the job token ({details.get('client')})",
     }.get(event.kind)
+    if event.kind in INCIDENT_KINDS:
+        text = lambda: describe_incident(event.kind, event.step, event.rank, event.node, details)  # noqa: E731
     if text is not None and (event.kind != ev.CHECKPOINT_LOAD or event.rank == 0):
         print(f"[undying {stamp}] {where}: {text()}", file=sys.stderr, flush=True)
 
