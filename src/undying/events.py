@@ -104,9 +104,11 @@ STRAGGLER = "straggler"
 SWITCH_BEGIN = "switch_begin"
 # A step's commit vote found it bad (runtime/step_check.py), so no rank applied it: attempt, cause, action
 # (replay, skip, stop; "replayed" once a replay committed: the first attempt's fault was transient),
-# the first member's own bad values. Logged by the generation's first member.
+# ranks (whose own checked values were bad), named_count, the first member's own bad values. Logged by
+# the generation's first member.
 BAD_STEP = "bad_step"
-# This rank's own checked value (ft.check) was not finite in a bad step: attempt, values (name -> value).
+# In a bad step where several ranks' own checked values (ft.check) were not finite, each of them says so:
+# attempt, values (name -> value).
 BAD_VALUE = "bad_value"
 # A node failed its health check (node_check.py) and holds no ranks: host, problems, the check's timings,
 # when (hello, restart), and the spare id it now waits under.

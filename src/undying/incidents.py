@@ -26,7 +26,9 @@ def describe_incident(kind: str, step: int | None, rank: int | None, node: int |
                       details: dict[str, Any]) -> str:
     """One line for an incident event (``INCIDENT_KINDS``)."""
     if kind == ev.STRAGGLER:
-        switch = "; its node moves to a spare" if details.get("strategy") == "switch" else ""
+        switch = ""
+        if details.get("strategy") == "switch":
+            switch = "; its node moves to a spare" + ("" if details.get("spare_idle") else " once one is idle")
         return (f"STRAGGLER rank {rank} (node {node}): {_ms(details.get('busy_seconds'))} busy per step, "
                 f"{_number(details.get('ratio'))} x its peers' {_ms(details.get('peers_busy_seconds'))} "
                 f"(compute {_ms(details.get('compute_seconds'))}, data {_ms(details.get('data_seconds'))}, "

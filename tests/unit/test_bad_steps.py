@@ -16,8 +16,8 @@ from undying.protocol import AgentHello
 from undying.runtime.step_check import REPORT_LEN, RecentLosses, StepCheck, gradients_of
 
 
-def check(**spec: object) -> StepCheck:
-    return StepCheck(validate_job_spec(spec))
+def check(rank: int = 0, **spec: object) -> StepCheck:
+    return StepCheck(validate_job_spec(spec), rank)
 
 
 def summed(*reports: tuple[float, ...]) -> list[float]:
@@ -25,16 +25,21 @@ def summed(*reports: tuple[float, ...]) -> list[float]:
 
 
 def test_a_rank_whose_loss_is_not_finite_fails_the_step_and_is_named():
-    mine, peer = check(), check()
+    mine, peer, third = check(rank=5), check(rank=0), check(rank=1)
     mine.watch({"loss": torch.tensor(float("nan"))})
     peer.watch({"loss": 2.0})
     grads = [torch.ones(3)]
-    sums = summed(mine.vote_report(grads), peer.vote_report(grads))
+    sums = summed(mine.vote_report(grads), peer.vote_report(grads), third.vote_report(grads))
     assert len(sums) == REPORT_LEN
     bad = mine.verdict(sums)
     assert bad is not None and bad.cause == "non-finite values on 1 rank(s)"
-    assert math.isnan(bad.own["loss"])
-    assert peer.verdict(sums) is not None and peer.verdict(sums).own == {}  # the same verdict, not named
+    assert math.isnan(bad.own["loss"]) and (bad.named, bad.named_count) == ([5], 1)
+    other = peer.verdict(sums)  # the same verdict, this rank's values fine; the vote names rank 5 to it
+    assert other is not None and other.own == {} and other.named == [5]
+    third.watch({"loss": float("inf")})
+    sums = summed(mine.vote_report(grads), peer.vote_report(grads), third.vote_report(grads))
+    both = peer.verdict(sums)
+    assert both is not None and (both.named, both.named_count) == ([], 2)  # each of them says so itself
 
 
 def test_non_finite_gradients_fail_the_step_without_any_checked_value():
@@ -98,13 +103,17 @@ def bad_event(kind: str, rank: int, step: int, **details: object) -> dict:
 def test_the_controller_names_the_ranks_and_stops_a_job_whose_bad_step_repeats(make_job):
     job = make_job(nnodes=2, nproc_per_node=2)
     job.start_running()
+    # Two ranks' values were bad: the vote names neither, each says so itself (in any order).
     job.controller.worker_event(bad_event(ev.BAD_VALUE, 1, 12, attempt=1, values={"loss": "nan"}))
-    job.controller.worker_event(bad_event(ev.BAD_STEP, 0, 12, attempt=1, action="replay", cause="non-finite"))
-    job.controller.worker_event(bad_event(ev.BAD_STEP, 0, 12, attempt=2, action="stop", cause="non-finite"))
+    job.controller.worker_event(bad_event(ev.BAD_STEP, 0, 12, attempt=1, action="replay", cause="non-finite",
+                                          ranks=[]))
+    job.controller.worker_event(bad_event(ev.BAD_VALUE, 2, 12, attempt=1, values={"loss": "nan"}))
+    job.controller.worker_event(bad_event(ev.BAD_STEP, 0, 12, attempt=2, action="stop", cause="non-finite",
+                                          ranks=[]))
     assert job.controller.state is JobState.FAILED and job.exit_code == 1
-    assert job.controller.message == ("step 12 was bad again when replayed (non-finite; bad values on rank(s) [1]); "
-                                      "stopped by bad_step_repeat: stop")
-    assert [event.details["ranks"] for event in job.events(ev.BAD_STEP)] == [[1], [1]]
+    assert job.controller.message == ("step 12 was bad again when replayed (non-finite; bad values on rank(s) "
+                                      "[1, 2]); stopped by bad_step_repeat: stop")
+    assert [event.details["ranks"] for event in job.events(ev.BAD_STEP)] == [[1], [1, 2]]
     kinds = [event.kind for event in job.events() if event.kind in (ev.BAD_STEP, ev.JOB_END)]
     assert kinds == [ev.BAD_STEP, ev.BAD_STEP, ev.JOB_END]  # the cause is logged before the end
 
@@ -114,7 +123,8 @@ def test_a_transient_bad_step_switches_the_ranks_node_when_asked(make_job):
                    straggler_strategy="off")
     assert job.controller.hello(AgentHello(2, 1002, "spare", 2, standby=True)).accepted
     job.start_running()
-    job.controller.worker_event(bad_event(ev.BAD_VALUE, 3, 12, attempt=1, values={"loss": "nan"}))
+    job.controller.worker_event(bad_event(ev.BAD_STEP, 0, 12, attempt=1, action="replay", cause="non-finite",
+                                          ranks=[3]))
     job.controller.worker_event(bad_event(ev.BAD_STEP, 0, 12, attempt=2, action="replayed", cause="clean"))
     job.advance(0.05)
     [begin] = job.events(ev.SWITCH_BEGIN)

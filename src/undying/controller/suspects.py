@@ -31,7 +31,7 @@ class Suspects:
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
         self.stragglers = StragglerWatch(spec.straggler_threshold, spec.straggler_window)
-        self.bad_ranks: dict[int, set[int]] = {}  # step -> ranks whose own values were bad in its first attempt
+        self.bad_ranks: dict[int, set[int]] = {}  # step -> ranks whose own values were bad (vote or bad_value)
         self.to_switch: dict[int, str] = {}  # node -> why it is to move to a spare
 
     def new_generation(self) -> None:
@@ -63,11 +63,14 @@ class Suspects:
         (a bad step repeated under ``bad_step_repeat: stop``), or ""."""
         if event.step is None:
             return ""
-        if event.kind == ev.BAD_VALUE and event.rank is not None and event.details.get("attempt") == 1:
+        if event.kind == ev.BAD_VALUE and event.rank is not None:
             self.bad_ranks.setdefault(event.step, set()).add(event.rank)
         if event.kind != ev.BAD_STEP:
             return ""
-        ranks = sorted(self.bad_ranks.get(event.step, set()))
+        named = event.details.get("ranks")
+        known = self.bad_ranks.setdefault(event.step, set())
+        known.update(rank for rank in (named if isinstance(named, list) else []) if isinstance(rank, int))
+        ranks = sorted(known)
         event.details["ranks"] = ranks
         action = event.details.get("action")
         if action == REPLAYED:

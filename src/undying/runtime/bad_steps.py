@@ -12,8 +12,8 @@ switch its node out (``bad_step_transient: switch``). A replay that is bad again
 or stops the job (``stop``: the controller ends it with the cause; this process waits to be stopped).
 
 Every rank sees the same vote, so every rank takes the same path; the first member of the
-generation speaks for the job (``bad_step``), each rank whose own checked value was bad for itself
-(``bad_value``).
+generation speaks for the job (``bad_step``, naming the rank whose own checked value was bad when the
+vote says there was one), and where several were, each of them for itself (``bad_value``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from undying.data_iterable import StatefulIterableLoader
 from undying.runtime.membership import Membership
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng import restore_rng
-from undying.runtime.step_check import BadStep
+from undying.runtime.step_check import GRAD_NORM, BadStep
 from undying.runtime.training_state import TrainingState
 
 REPLAY, SKIP, STOP = "replay", "skip", "stop"  # what a bad attempt leads to
@@ -54,12 +54,13 @@ class BadSteps:
         self._bad_attempts = {step: attempt}
         self.state.forget_failed_step()
         restore_rng(self.state.roll_back_step_in_flight())
-        own = {name: str(value) for name, value in bad.own.items() if name != "grad_norm"}
-        if own:
+        own = {name: str(value) for name, value in bad.own.items() if name != GRAD_NORM}
+        if own and bad.named_count > 1:  # the vote named none: each says it is one
             self.reporter.emit(ev.BAD_VALUE, step=step, attempt=attempt, values=own)
         action = REPLAY if attempt == 1 else self.spec.bad_step_repeat
         if self.membership.group_rank == 0:
             self.reporter.emit(ev.BAD_STEP, step=step, attempt=attempt, cause=bad.cause, action=action,
+                               ranks=bad.named, named_count=bad.named_count,
                                values={name: str(value) for name, value in bad.own.items()})
         if action == STOP:
             self._stop(step, bad)

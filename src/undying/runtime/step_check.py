@@ -27,17 +27,21 @@ from undying.config import JobSpec
 from undying.runtime.scalars import NAME_PATTERN
 
 LOSS = "loss"  # the ft.check name whose spikes are looked for
-REPORT_LEN = 3  # the numbers this check adds to the commit vote
+GRAD_NORM = "grad_norm"  # a bad value of the gradients' (every rank's, once averaged), not a checked one
+REPORT_LEN = 5  # the numbers this check adds to the commit vote
 RECENT_LOSSES = "undying.recent_losses"  # its registered name (job state)
 
 
 @dataclass(frozen=True)
 class BadStep:
-    """Why a step may not be committed: in words (the same on every rank), and this rank's own bad
-    values (name -> value), which name it as a cause."""
+    """Why a step may not be committed: in words (the same on every rank), this rank's own bad values
+    (name -> value), and the ranks whose own checked values were bad (known when there is one; the
+    count in ``named_count``)."""
 
     cause: str
     own: dict[str, float]
+    named: list[int]
+    named_count: int
 
 
 class RecentLosses:
@@ -63,7 +67,8 @@ class RecentLosses:
 class StepCheck:
     """The values of the step in flight (``watch``), this rank's part of the vote, and the verdict."""
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, rank: int) -> None:
+        self.rank = rank
         self.enabled = spec.bad_step_check
         self.spike_factor = spec.loss_spike_factor
         self.recent = RecentLosses(spec.loss_spike_window)
@@ -86,9 +91,10 @@ class StepCheck:
         self._values.clear()
         self._own = {}
 
-    def vote_report(self, gradients: list[torch.Tensor]) -> tuple[float, float, float]:
+    def vote_report(self, gradients: list[torch.Tensor]) -> tuple[float, ...]:
         """This rank's part of the vote: (its values or gradients are not finite, its loss, 1 if it checked
-        one). ``gradients``: this rank's (averaged, or local shards of) gradients."""
+        one, 1 if its own checked values are not finite, its rank if so). ``gradients``: this rank's
+        (averaged, or local shards of) gradients."""
         own = {}
         for name, values in self._values.items():
             for value in values:
@@ -101,23 +107,25 @@ class StepCheck:
         if gradients:
             norm = float(torch.nn.utils.get_total_norm(gradients, foreach=True).item())
             if not math.isfinite(norm):
-                own["grad_norm"] = norm
+                own[GRAD_NORM] = norm
         self._own = own
         loss = sum(losses) / len(losses) if losses else 0.0
         self._loss = loss if losses and math.isfinite(loss) else math.nan
+        named = any(name != GRAD_NORM for name in own)
         return (1.0 if own else 0.0, 0.0 if math.isnan(self._loss) else self._loss,
-                0.0 if math.isnan(self._loss) else 1.0)
+                0.0 if math.isnan(self._loss) else 1.0, 1.0 if named else 0.0, float(self.rank) if named else 0.0)
 
     def verdict(self, sums: list[float]) -> BadStep | None:
         """From the vote's sums (every rank's ``vote_report`` added up): why the step is bad, or None."""
-        bad_ranks, loss_sum, losses = sums[0], sums[1], sums[2]
+        bad_ranks, loss_sum, losses, named, named_sum = sums[:REPORT_LEN]
         if bad_ranks > 0:
-            return BadStep(f"non-finite values on {int(bad_ranks)} rank(s)", dict(self._own))
+            return BadStep(f"non-finite values on {int(bad_ranks)} rank(s)", dict(self._own),
+                           [int(named_sum)] if named == 1 else [], int(named))
         if losses > 0 and self.spike_factor is not None:
             loss, mean = loss_sum / losses, self.recent.mean()
             if mean is not None and mean > 0 and loss > self.spike_factor * mean:
                 return BadStep(f"loss spike: {loss:.4g} > {self.spike_factor:g} x its mean {mean:.4g} over "
-                               f"the last {len(self.recent.losses)} steps", {})
+                               f"the last {len(self.recent.losses)} steps", {}, [], 0)
         return None
 
     def committed(self, sums: list[float]) -> None:

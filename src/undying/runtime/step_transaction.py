@@ -61,7 +61,7 @@ class StepTransaction:
         self.raised: Exception | None = None  # this rank's own exception that failed the step (retry)
         self.voted = False
         self.updated = False
-        self.check = StepCheck(spec)
+        self.check = StepCheck(spec, membership.rank)
         self.bad_step: BadStep | None = None  # the vote found the step bad (no rank applied it)
         self.timer = StepTimer(spec.straggler_window, self._data_seconds)
         self._poisoned = False  # an injected ``nan``: this attempt's model outputs are NaN
