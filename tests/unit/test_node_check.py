@@ -157,3 +157,16 @@ def test_a_job_restart_waits_for_every_nodes_new_check(make_job):
     assert job.controller.state is JobState.STOPPING  # its workers are gone, its check not in yet
     job.controller.poll(AgentPoll(0, 1, [], 0.0, check={"problems": []}))
     assert job.next_order(0, 1).kind == OrderKind.START
+
+
+def test_a_failed_over_controller_keeps_unfit_and_switched_out_agents_out(make_job):
+    job = make_job(nnodes=2, nproc_per_node=2, node_check=True)
+    assert hello(job, 2, 1002, FAILED, standby=True).node == 2  # a spare that failed its check
+    job.start_running()
+    job.controller.machine.membership.retired[("host5", 1005)] = "rank 3 is a straggler"
+    successor = make_job(nnodes=2, nproc_per_node=2, node_check=True)
+    successor.controller.resume(job.controller.export_state(), why="test")
+    membership = successor.controller.machine.membership
+    assert membership.nodes[2].unfit.startswith("node memory") and membership.idle_spare() is None
+    reply = successor.controller.hello(AgentHello(1, 1005, "host5", 2, check={"problems": []}))
+    assert reply.node != 1 and "switched out of the job: rank 3 is a straggler" in reply.reason

@@ -154,8 +154,10 @@ class JobMachine:
             # A node's agent came back before anyone saw it go: its workers are gone all the same.
             self.lose_node(previous, "agent said hello again (restarted)", now, kill=False)
         nodes[hello.node] = NodeRecord(hello.node, hello.pid, hello.hostname, now, standby=hello.standby)
-        self.emit(ev.AGENT_REGISTERED, node=hello.node,
-                  details={"pid": hello.pid, "host": hello.hostname, "standby": hello.standby})
+        details: dict[str, Any] = {"pid": hello.pid, "host": hello.hostname, "standby": hello.standby}
+        if hello.check:
+            details["check"] = hello.check.get("timings", {})  # its health check's times (node_check.py)
+        self.emit(ev.AGENT_REGISTERED, node=hello.node, details=details)
         return HelloReply(self.job_id, self.store_port)
 
     def _returned_as_spare(self, hello: AgentHello, now: float) -> HelloReply:
