@@ -13,10 +13,13 @@
 #   adam-placement      an AdamW repaired (send/recv_state), restored from a host state (T2 broadcast) and
 #                       from host memory (T1 copy_into): its step counters on the CPU, moments on the GPU
 #                       (capturable: all on the GPU), and its next step equal to the source's
+#   node-check          the device part of a node's health check (undying/node_check.py): the GPU an NCCL
+#                       rank would use is seen and computes a small matmul right
 #   bench-checkpoint    bench/checkpoint.py --device cuda at its smallest size (tiny)
 #   job-ref-1, job-ref-2, job-kill   1-rank CUDA jobs of examples/gpt (backend nccl, 30 steps): the two
 #                       fault-free runs, the run killed at step 15 (restored from T1, node memory),
-#                       job-raise (an exception in step 15, retried in the same process) and
+#                       job-raise (an exception in step 15, retried in the same process), job-nan (a NaN
+#                       in step 15's output: the bad-step check fails the step, the replay commits it) and
 #                       job-kill-forked (the kill with workers forked from the warm standby) must end
 #                       with the same param_sha256; forked-workers: the standby really forked them
 #   sharded-ref, sharded-kill  the example sharded with FSDP2 over ft.device_mesh (1 x 1, NCCL mesh
@@ -124,7 +127,7 @@ job() {  # job NAME [UNDYING ARGS] [-- SCRIPT ARGS]: a 30-step 1-rank run of the
 
 echo "gpu-check: results in $RESULTS (backend $BACKEND)"
 check preflight 120 "$PYTHON" scripts/gpu_check.py preflight $CPU_FLAG
-for name in nccl-wait nccl-timeout-abort nccl-stuck-abort snapshot adam-placement; do
+for name in nccl-wait nccl-timeout-abort nccl-stuck-abort snapshot adam-placement node-check; do
     check "$name" 60 "$PYTHON" scripts/gpu_check.py "$name" $CPU_FLAG
 done
 
@@ -146,6 +149,9 @@ job job-ref-1
 job job-ref-2
 job job-kill --inject kill:rank=0:step=15
 job job-raise --set process_recover=true --recover-strategy retry,dump --inject raise:rank=0:step=15
+# A NaN in rank 0's output at step 15: the bad-step check (the gradient norm, on the GPU) fails the step
+# on every rank and the replay commits it: bitwise equal to the fault-free runs.
+job job-nan --inject nan:rank=0:step=15
 # The same kill with the worker forked from the agent's warm standby (the default outside this script):
 # forked before and after the fault, or the agent's reason for starting plain processes instead.
 job job-kill-forked --set warm_standby=true --inject kill:rank=0:step=15
@@ -155,9 +161,9 @@ else
     record forked-workers FAIL "$(grep -h 'warm standby' "$RESULTS/job-kill-forked.log" | tail -1)"
 fi
 if [ -f "$RESULTS/job-ref-1.sha" ] && [ -f "$RESULTS/job-ref-2.sha" ] && [ -f "$RESULTS/job-kill.sha" ] \
-        && [ -f "$RESULTS/job-raise.sha" ]; then
+        && [ -f "$RESULTS/job-raise.sha" ] && [ -f "$RESULTS/job-nan.sha" ]; then
     if [ "$(cat "$RESULTS"/job-*.sha | sort -u | wc -l)" = 1 ]; then
-        record digests PASS "fault-free x2, killed at 15 and raised at 15 (retried): bitwise equal"
+        record digests PASS "fault-free x2, killed at 15, raised at 15 (retried), NaN at 15 (replayed): bitwise equal"
     else
         record digests FAIL "param_sha256 differ: $(cat "$RESULTS"/job-*.sha | cut -c1-16 | tr '\n' ' ')"
     fi

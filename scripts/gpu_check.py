@@ -5,7 +5,7 @@ Runs standalone (no job, no agent), one check per invocation, from the repositor
 ``--cpu`` runs what has a CPU meaning (the snapshot round trip, the optimizer state's placement)
 and skips the NCCL checks.
 
-    python scripts/gpu_check.py preflight|nccl-wait|nccl-timeout-abort|nccl-stuck-abort|snapshot|adam-placement [--cpu]
+    python scripts/gpu_check.py preflight|nccl-wait|nccl-timeout-abort|nccl-stuck-abort|snapshot|adam-placement|node-check [--cpu]
 """
 
 from __future__ import annotations
@@ -271,10 +271,20 @@ def adam_placement(cpu: bool) -> int:
     return result("adam-placement", passed, f"device={dev} " + " ".join(details))
 
 
+def node_check(cpu: bool) -> int:
+    """The device part of a node's health check (undying/node_check.py) on this machine: the devices
+    an NCCL rank would use are seen and compute a small matmul right (on CPU: gloo's CPU matmul)."""
+    from undying.node_check import device_check
+
+    found = device_check(nproc=1, backend="gloo" if cpu else "nccl")
+    passed = not found["problems"] and found["timings"]["devices"] == 1
+    return result("node-check", passed, f"problems={found['problems']} timings={found['timings']}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("check", choices=["preflight", "nccl-wait", "nccl-timeout-abort", "nccl-stuck-abort",
-                                          "snapshot", "adam-placement"])
+                                          "snapshot", "adam-placement", "node-check"])
     parser.add_argument("--cpu", action="store_true", help="no GPU: run the CPU meaning of the check, if any")
     args = parser.parse_args()
     if args.check == "preflight":
@@ -283,6 +293,8 @@ def main() -> int:
         return snapshot(args.cpu)
     if args.check == "adam-placement":
         return adam_placement(args.cpu)
+    if args.check == "node-check":
+        return node_check(args.cpu)
     if args.cpu:
         print(f"RESULT {args.check} SKIP needs a GPU and NCCL", flush=True)
         return 0

@@ -72,6 +72,7 @@ def main() -> None:
             # One batch per step; more micro-batches when an elastic shrink keeps the global batch.
             for x, y in loader.step_batches():
                 _, loss = model(x.to(ft.device), y.to(ft.device))
+                ft.check(loss=loss)  # a loss that is not finite fails the step on every rank, which replays it
                 loss.backward()
                 losses.append(loss.item())
             if args.step_sleep:

@@ -33,9 +33,11 @@ from pathlib import Path
 from undying.client import ControllerClient, ControllerUnreachable, Unauthorized, parse_address
 from undying.config import JobSpec, spec_from_json, spec_to_dict
 from undying.console_streams import ConsoleStreams
+from undying.inject import decode as decode_injections
 from undying.launch_options import SigtermAction
 from undying.locate import locator_from_env
 from undying.log_tail import read_tail
+from undying.node_check import NodeCheck, check_node
 from undying.output_relay import OutputRelay, PipeSink
 from undying.procs import (
     WorkerProcess,
@@ -115,6 +117,7 @@ class Agent:
         sigterm: SigtermAction = SigtermAction.LEAVE,
     ) -> None:
         self.node = node
+        self.launched_as = node  # the node id it was started with (a ``check:`` injection aims at it)
         self.spare = spare  # a standby node until it adopts a lost node's place
         self.spec = spec
         self.token = token
@@ -144,6 +147,8 @@ class Agent:
         self.sigterm = sigterm  # what SIGTERM/SIGINT do: a planned leave, or the job's graceful stop
         self._stop_asked_at: float | None = None  # --sigterm stop: when the first signal asked for it
         self._last_signal = ""
+        self.store: tuple[str, int] | None = None  # the job's store, once a hello reply said where
+        self.check_to_send: dict[str, object] = {}  # a health check run after a stop, for the next poll
 
     @property
     def controller_address(self) -> str:
@@ -223,13 +228,30 @@ class Agent:
         finally:
             client.close()
 
+    def _check(self, probe_root: bool) -> NodeCheck:
+        """This node's health check (node_check.py); with ``node_check: false``, only the T2 root probe."""
+        if not self.spec.node_check:
+            check = NodeCheck()
+            if probe_root and writes_t2(self.spec):
+                check.root_probe, error = write_probe(t2_root(self.spec, self.run_dir))
+                check.problems += [error] if error else []
+            return check
+        self._keep_standby()
+        standby = self.standby if self.standby is not None and self.standby.usable() else None
+        return check_node(self.spec, self.run_dir, self.log_dir / f"check{self.launched_as}.log",
+                          decode_injections(self.injections_text), self.launched_as, self.store, standby, probe_root)
+
     def _hello(self) -> None:
         deadline = time.monotonic() + self.spec.node_return_timeout
         root = t2_root(self.spec, self.run_dir)
-        probe, probe_error = write_probe(root) if writes_t2(self.spec) else ("", "")
+        check = self._check(probe_root=True)
+        probe = check.root_probe
+        if check.problems:
+            print(f"undying agent {self.node}: health check failed: {'; '.join(check.problems)}",
+                  file=sys.stderr, flush=True)
         hello = AgentHello(self.node, os.getpid(), socket.gethostname(), self.spec.nproc_per_node,
                            standby=self.spare, spec=spec_to_dict(self.spec), root_probe=probe,
-                           root_probe_error=probe_error)
+                           check=check.to_dict())
         while True:
             try:
                 reply = HelloReply.from_dict(self.client.post(ROUTE_AGENT_HELLO, hello.to_dict()))
@@ -243,13 +265,15 @@ class Agent:
                     remove_probe(root, probe)  # the controller could not see it: only this node can
                 raise SystemExit(f"undying agent {self.node}: controller refused: {reply.reason}")
             if reply.node >= 0 and reply.node != self.node:
-                # Our node's place was taken by a spare while we were away: we are a spare now.
-                print(f"undying agent {self.node}: node {self.node} is served by a spare now; "
-                      f"joining as spare {reply.node}", file=sys.stderr, flush=True)
+                # Our node's place was taken by a spare while we were away, or this node may not hold
+                # ranks (its health check failed, it was switched out): we are a spare now.
+                why = reply.reason or f"node {self.node} is served by a spare now"
+                print(f"undying agent {self.node}: {why}; joining as spare {reply.node}", file=sys.stderr, flush=True)
                 self._stop_workers(grace=0.0)
                 self.node, self.spare = reply.node, True
                 self.workers, self.worker_generations, self.local_ranks = {}, {}, {}
             self.job_id = reply.job_id
+            self.store = (parse_address(self.controller_address)[0], reply.store_port)
             return
 
     def _claim_shared_memory(self) -> None:
@@ -266,11 +290,13 @@ class Agent:
         while True:
             self._keep_standby()
             poll = AgentPoll(self.node, self.generation, [s.to_dict() for s in self._statuses()],
-                             wait=self.spec.monitor_interval, pid=os.getpid(), hostname=socket.gethostname())
+                             wait=self.spec.monitor_interval, pid=os.getpid(), hostname=socket.gethostname(),
+                             check=self.check_to_send)
             try:
                 order = Order.from_dict(self.client.post(ROUTE_AGENT_POLL, poll.to_dict(),
                                                          timeout=self.spec.monitor_interval + POLL_MARGIN))
                 unreachable_since = None
+                self.check_to_send = {}  # delivered
             except ControllerUnreachable:
                 # Without a controller nobody can make decisions: do not train on forever.
                 unreachable_since = unreachable_since or time.monotonic()
@@ -295,6 +321,8 @@ class Agent:
                 self._adopt(order.node)
             elif order.kind == OrderKind.STOP:
                 self._stop_workers(grace=self._grace())
+                if self.spec.node_check:  # before the node is given ranks again (a job restart)
+                    self.check_to_send = self._check(probe_root=False).to_dict()
             elif order.kind == OrderKind.EXIT:
                 self._stopping = True
                 self._stop_workers(grace=self._grace() if self._any_running() else 0.0)

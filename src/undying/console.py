@@ -15,6 +15,7 @@ from undying import events as ev
 from undying.controller.persist_health import failed_checkpoint_line
 from undying.controller.strategies import describe_chain, effective_chain, unbuilt_strategies
 from undying.events import Event
+from undying.incidents import INCIDENT_KINDS, describe_incident
 from undying.launch_options import LaunchOptions
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ def print_event(event: Event) -> None:
                                   f"{' at the store' if details.get('service') == 'store' else ''} "
                                   f"({details.get('client')}{': ' + str(details['why']) if details.get('why') else ''})"),
     }.get(event.kind)
+    if event.kind in INCIDENT_KINDS:
+        text = lambda: describe_incident(event.kind, event.step, event.rank, event.node, details)  # noqa: E731
     if text is not None and (event.kind != ev.CHECKPOINT_LOAD or event.rank == 0):
         print(f"[undying {stamp}] {where}: {text()}", file=sys.stderr, flush=True)
 

@@ -7,6 +7,7 @@ change keeps the global sample order. Which indices come next is planned in data
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -140,6 +141,7 @@ class ResumableLoader:
         self._batches: Iterator[Any] | None = None
         self._batches_at: tuple[Cursor, Layout] | None = None  # where the next batch of _batches is from
         self.stream_restarts = 0  # DataLoader iterators started (the first included)
+        self.read_seconds = 0.0  # spent in ``next``: waiting for batches (runtime/step_timing.py)
         self.draws: DrawWatcher | None = None  # ft.dataloader's: told of each batch and position load
 
     @property
@@ -170,6 +172,13 @@ class ResumableLoader:
     def __next__(self) -> Any:
         """The next batch of this replica: its slice of the step's global batch (or, after an
         elastic shrink in ``accumulate`` mode, its next micro-batch of the step)."""
+        started = time.perf_counter()
+        try:
+            return self._next_batch()
+        finally:
+            self.read_seconds += time.perf_counter() - started
+
+    def _next_batch(self) -> Any:
         self._cursor = roll_if_exhausted(self._cursor, self._layout(), self.dataset_len)
         if self._cursor.slots_taken == 0:
             self.step_indices = []

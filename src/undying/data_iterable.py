@@ -7,6 +7,7 @@ Runs in worker processes: ``ft.dataloader`` wraps an iterable that has ``state_d
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,11 +70,19 @@ class StatefulIterableLoader:
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
         self._items: Iterator[Any] | None = None
         self.draws: DrawWatcher | None = None  # ft.dataloader's: told of each batch and position load
+        self.read_seconds = 0.0  # spent in ``next``: waiting for batches (runtime/step_timing.py)
 
     def __iter__(self) -> StatefulIterableLoader:
         return self
 
     def __next__(self) -> Any:
+        started = time.perf_counter()
+        try:
+            return self._next_batch()
+        finally:
+            self.read_seconds += time.perf_counter() - started
+
+    def _next_batch(self) -> Any:
         if self._items is None:
             self._items = iter(self.source)
         if self.batch_size is None:

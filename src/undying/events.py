@@ -97,6 +97,27 @@ CHECKPOINT_ROOT_UNSHARED = "checkpoint_root_unshared"
 # The job was asked to stop (SIGTERM, undying stop): every rank finishes its step in flight, then all
 # persist the newest committed step (why). The job ends as "stopped" once that checkpoint is committed.
 STOP_BEGIN = "stop_begin"
+# A rank's busy time per step (compute and data loading) is straggler_threshold times its peers' median or
+# more, over its last straggler_window steps (controller/stragglers.py): ratio, its means and the peers'
+# median, the node, and what is done (strategy: report, or switch once a spare is idle).
+STRAGGLER = "straggler"
+# A node's ranks move to an idle spare at a step boundary (strategies/switch.py): why (a straggler, a
+# transient bad step), the spare; its recovery_plan and the newcomers' recovered events follow.
+SWITCH_BEGIN = "switch_begin"
+# A step's commit vote found it bad (runtime/step_check.py), so no rank applied it: attempt, cause, action
+# (replay, skip, stop; "replayed" once a replay committed: the first attempt's fault was transient),
+# ranks (whose own checked values were bad), named_count, the first member's own bad values. Logged by
+# the generation's first member.
+BAD_STEP = "bad_step"
+# In a bad step where several ranks' own checked values (ft.check) were not finite, each of them says so:
+# attempt, values (name -> value).
+BAD_VALUE = "bad_value"
+# A node failed its health check (node_check.py) and holds no ranks: host, problems, the check's timings,
+# when (hello, restart), and the spare id it now waits under.
+NODE_CHECK_FAILED = "node_check_failed"
+# A job restart let the survivors finish the T2 commit of this step before stopping them
+# (strategies/job_restart.py): outcome (committed, failed, timed out, writer gone) and the seconds waited.
+COMMIT_DRAIN = "commit_drain"
 
 
 @dataclass

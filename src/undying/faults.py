@@ -27,6 +27,7 @@ class FaultReason(StrEnum):
     NODE_RETURNED = "node_returned"  # not a fault: a dropped node is back (an elastic grow)
     RECOVERY_FAILED = "recovery_failed"  # counted when a recovery gives up (never a Fault's reason)
     STOP_REQUESTED = "stop_requested"  # not a fault: the job was asked to stop (SIGTERM, undying stop)
+    SWITCH = "switch"  # not a fault: a slow or suspect node's ranks move to a spare (strategies/switch.py)
 
 
 # Faults that mean the rank's process is gone or no longer usable.
@@ -70,6 +71,8 @@ def describe_fault(reason: str, rank: int | None = None, node: int | None = None
         return f"{where} missed its heartbeats (hang?)"
     if reason == FaultReason.STEP_STALLED:
         return f"{where} is alive but committed no step within step_timeout (hang?)"
+    if reason == FaultReason.SWITCH:
+        return f"node {node} switched to a spare ({detail})" if detail else f"node {node} switched to a spare"
     if reason == FaultReason.STOP_REQUESTED:
         return f"stop requested ({detail})" if detail else "stop requested"
     if reason == FaultReason.STEP_FAILED:

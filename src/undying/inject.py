@@ -8,7 +8,16 @@ Syntax (``--inject``, may be repeated): ``KIND:key=value:key=value``
 - ``hang:rank=R:step=S``   SIGSTOP worker R at step S (a hang, not a death)
 - ``raise:rank=R:step=S``  raise an exception inside step S on worker R
 - ``stall:rank=R:step=S``  worker R's training thread blocks forever at step S while the
-  process (and its heartbeat thread) stays alive: a hang only ``step_timeout`` catches
+  process (and its heartbeat thread) stays alive: a hang only ``step_timeout`` catches;
+  with ``:seconds=D`` it blocks D seconds, then goes on (with ``at=persist``: a slow write)
+- ``slow:rank=R:step=S:factor=F``  from step S on, each step of worker R takes F times as long
+  (it sleeps ``F - 1`` times its own compute, outside the collectives): a straggler, for as long
+  as the process lives (a replacement, on another node, runs at full speed)
+- ``nan:rank=R:step=S``  worker R's model outputs are NaN in step S (a corrupted activation: its
+  loss and, through backward, every rank's averaged gradients are NaN); ``:persistent`` makes
+  every attempt of step S in that process NaN (a bad batch or a broken device), not only the first
+- ``check:node=N``  every health check of the agent started as node N fails (node_check.py): a
+  node that must not be given ranks; a spare that adopts node N's place is not affected
 
 ``:at=recovery`` or ``:at=dump`` moves the fault from the start of a training step to the
 moment the worker starts its part of a recovery or of a dying checkpoint (then ``step=``
@@ -34,9 +43,13 @@ import signal
 import time
 from dataclasses import dataclass
 
-KINDS = {"kill": "rank", "node": "node", "hang": "rank", "raise": "rank", "stall": "rank"}
-SYNTAX = ("KIND:rank=R:step=S (KIND: kill, hang, raise, stall) or node:node=N:step=S[:down=SECONDS], "
-          "optionally :at=recovery|dump|persist and :committed=STEP")
+KINDS = {"kill": "rank", "node": "node", "hang": "rank", "raise": "rank", "stall": "rank", "slow": "rank",
+         "nan": "rank", "check": "node"}
+SYNTAX = ("KIND:rank=R:step=S (KIND: kill, hang, raise, stall[:seconds=D], slow:...:factor=F, nan[:persistent]) "
+          "or node:node=N:step=S[:down=SECONDS] or check:node=N, optionally :at=recovery|dump|persist and "
+          ":committed=STEP")
+# Kinds carried out by the worker's step loop rather than ``fire`` (the process goes on).
+SLOW, NAN, CHECK = "slow", "nan", "check"
 POINTS = ("step", "recovery", "dump", "persist")
 COMMIT_WAIT_S = 60.0  # the longest a ``committed=`` injection waits for its checkpoint
 
@@ -59,17 +72,25 @@ class Injection:
     at: str = "step"
     down: int | None = None  # node faults: seconds before the simulated node is rescheduled
     committed: int | None = None  # fire only once the checkpoint of this step is committed
+    seconds: float | None = None  # stall: how long it blocks (None: forever)
+    factor: float | None = None  # slow: how many times as long each step takes
+    persistent: bool = False  # nan: every attempt of the step, not only the first
 
     def text(self) -> str:
-        target = f"node={self.node}" if self.kind == "node" else f"rank={self.rank}"
+        target = f"node={self.node}" if KINDS[self.kind] == "node" else f"rank={self.rank}"
         step = "" if self.step is None else f":step={self.step}"
         point = "" if self.at == "step" else f":at={self.at}"
         down = "" if self.down is None else f":down={self.down}"
         committed = "" if self.committed is None else f":committed={self.committed}"
-        return f"{self.kind}:{target}{step}{point}{down}{committed}"
+        seconds = "" if self.seconds is None else f":seconds={self.seconds:g}"
+        factor = "" if self.factor is None else f":factor={self.factor:g}"
+        persistent = ":persistent" if self.persistent else ""
+        return f"{self.kind}:{target}{step}{point}{down}{committed}{seconds}{factor}{persistent}"
 
     def targets(self, rank: int, node: int, local_rank: int, step: int) -> bool:
         """Does this injection fire in this worker at this step? (A node fault fires on local rank 0.)"""
+        if self.kind == CHECK:
+            return False  # fired by the agent's health check, never by a worker
         if self.step is not None and step != self.step:
             return False
         if self.kind == "node":
@@ -85,14 +106,27 @@ def parse_injection(text: str, index: int = 0) -> Injection:
             f"--inject {text!r}: unknown kind {kind!r}; allowed: {', '.join(KINDS)} (syntax: {SYNTAX})"
         )
     values: dict[str, int] = {}
+    extras: dict[str, float] = {}
+    persistent = False
     point = "step"
+    allowed = {"node": ("rank", "node", "step", "committed", "down"), "check": ("node",)}.get(
+        kind, ("rank", "node", "step", "committed"))
+    numbers = {"stall": "seconds", "slow": "factor"}.get(kind)  # a kind's own number (a float)
     for part in parts[1:]:
         key, sep, value = part.partition("=")
-        if key == "at" and sep and value in POINTS and "at" not in values:
+        if key == "at" and sep and value in POINTS and "at" not in values and kind != CHECK:
             point = value
             values["at"] = 0
             continue
-        allowed = ("rank", "node", "step", "committed", "down") if kind == "node" else ("rank", "node", "step", "committed")
+        if kind == NAN and part == "persistent" and not persistent:
+            persistent = True
+            continue
+        if key == numbers and sep and key not in extras:
+            try:
+                extras[key] = float(value)
+            except ValueError:
+                raise InjectionSpecError(f"--inject {text!r}: {key} must be a number; syntax: {SYNTAX}") from None
+            continue
         if (not sep or key not in allowed or key in values
                 or not value.removeprefix("-").isdecimal()):
             raise InjectionSpecError(f"--inject {text!r}: bad field {part!r}; syntax: {SYNTAX}")
@@ -101,16 +135,21 @@ def parse_injection(text: str, index: int = 0) -> Injection:
     down = values.pop("down", None)
     committed = values.pop("committed", None)
     target_key = KINDS[kind]
-    required = {target_key} if point != "step" else {"step", target_key}
+    required = {target_key} if point != "step" or kind == CHECK else {"step", target_key}
     if not required <= set(values) or not set(values) <= {"step", target_key}:
-        needs = f"{target_key}= and step=" if point == "step" else f"{target_key}="
+        needs = f"{target_key}= and step=" if len(required) == 2 else f"{target_key}="
         raise InjectionSpecError(f"--inject {text!r}: needs exactly {needs}; syntax: {SYNTAX}")
     if any(value < 0 for value in values.values()):
         raise InjectionSpecError(f"--inject {text!r}: {target_key} and step must be >= 0; syntax: {SYNTAX}")
     for name, optional in (("down", down), ("committed", committed)):
         if optional is not None and optional < 0:
             raise InjectionSpecError(f"--inject {text!r}: {name} must be >= 0; syntax: {SYNTAX}")
+    if kind == "slow" and not extras.get("factor", 0) > 1:
+        raise InjectionSpecError(f"--inject {text!r}: slow needs factor=F with F > 1; syntax: {SYNTAX}")
+    if kind == "stall" and "seconds" in extras and not extras["seconds"] > 0:
+        raise InjectionSpecError(f"--inject {text!r}: seconds must be > 0; syntax: {SYNTAX}")
     return Injection(index=index, kind=kind, step=values.get("step"), at=point, down=down, committed=committed,
+                     seconds=extras.get("seconds"), factor=extras.get("factor"), persistent=persistent,
                      **{target_key: values[target_key]})
 
 
@@ -131,6 +170,7 @@ def decode(text: str | None) -> list[Injection]:
 def check_targets(injections: list[Injection], world_size: int, nnodes: int) -> None:
     """Reject injections aimed at ranks or nodes the job does not have."""
     for injection in injections:
+        # A check may aim at a spare too: spare ids start at nnodes.
         if injection.kind == "node" and injection.node is not None and injection.node >= nnodes:
             raise InjectionSpecError(f"--inject {injection.text()!r}: node must be < nnodes ({nnodes})")
         if injection.rank is not None and injection.rank >= world_size:
@@ -138,7 +178,8 @@ def check_targets(injections: list[Injection], world_size: int, nnodes: int) -> 
 
 
 def fire(injection: Injection) -> None:
-    """Carry out the fault in the calling worker. Does not return for kill, node and hang."""
+    """Carry out the fault in the calling worker. Does not return for kill, node, hang and a stall
+    without seconds. (``slow`` and ``nan`` are carried out by the step loop, ``check`` by the agent.)"""
     if injection.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif injection.kind == "node":
@@ -149,5 +190,8 @@ def fire(injection: Injection) -> None:
     elif injection.kind == "raise":
         raise InjectedFault(f"injected fault {injection.text()}")
     elif injection.kind == "stall":
+        if injection.seconds is not None:
+            time.sleep(injection.seconds)
+            return
         while True:
             time.sleep(3600)

@@ -15,7 +15,9 @@ from undying.field_types import check_fields
 
 # 2: a plan's and an order's rank lists travel as runs (``encode_runs``), not rank by rank.
 # 3: a heartbeat carries ``max_steps`` (the console's step of total) and ``scalars`` (ft.log) instead of ``loss``.
-PROTOCOL_VERSION = 3
+# 4: a heartbeat carries the rank's step times (compute, wait in collectives, data loading) and the
+#    T2 step it commits; an agent's hello and a poll after a stop carry its node's health check.
+PROTOCOL_VERSION = 4
 
 # HTTP routes served by the controller. Every route needs the job token.
 ROUTE_AGENT_HELLO = "/v1/agent/hello"
@@ -142,13 +144,15 @@ class AgentHello(Message):
     hostname: str
     nproc: int
     standby: bool = False  # a spare node: no ranks until it adopts a lost node's place
-    # The T2 root check (root_probe.py): the probe file the agent wrote under its checkpoint root,
-    # or why it could not write one. Both empty: the job writes no T2 (nothing to check).
+    # The T2 root check (root_probe.py): the probe file the agent wrote under its checkpoint root (empty:
+    # the job writes no T2, or the agent could not write one: a problem of its health check below).
     root_probe: str = ""
-    root_probe_error: str = ""
     # The agent's validated job spec (config.spec_to_dict), so the controller can refuse a node
     # launched with another spec; empty from a sender that does not say.
     spec: dict[str, Any] = field(default_factory=dict)
+    # The node's health check (node_check.NodeCheck.to_dict): its problems (none: fit) and timings.
+    # Empty: not checked (node_check: false).
+    check: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -185,6 +189,9 @@ class AgentPoll(Message):
     wait: float = 1.0  # seconds the controller may hold the request open
     pid: int = 0  # the agent's process: an agent the node's place no longer belongs to is told to say hello
     hostname: str = ""  # ... and its host (a pid names a process on one host only)
+    # The node's health check, run again once a job restart stopped its workers (as AgentHello.check);
+    # empty in every other poll.
+    check: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -282,6 +289,16 @@ class Heartbeat(Message):
     scalars: dict[str, float] = field(default_factory=dict)
     mesh_shard: int = 0  # a sharded job's ranks per replica (ft.device_mesh's shard); 0: not sharded
     max_steps: int = 0  # ft.steps(n)'s n, the steps the job runs to; 0: not known yet
+    # The rank's step times (runtime/step_timing.py): medians over its newest ``timed_steps`` committed steps
+    # in this process (straggler_window at most), in seconds: its own compute, its wait inside
+    # collectives (for its peers), and its data loading. 0 steps: none timed yet.
+    timed_steps: int = 0
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    data_seconds: float = 0.0
+    # The step whose T2 checkpoint this rank's persister writes as the committing rank (0: none): a job
+    # restart lets it commit before the workers are stopped (strategies/job_restart.py).
+    committing: int = 0
 
 
 @dataclass

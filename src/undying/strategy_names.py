@@ -21,6 +21,7 @@ class StrategyName(StrEnum):
     JOB_RESTART = "job-restart"  # every worker restarts from the newest verified checkpoint
     EXIT = "exit"  # stop the job with a non-zero exit
     STOP = "stop"  # not a recovery: the job was asked to stop; every rank persists its newest committed step
+    SWITCH = "switch"  # not a recovery: a slow or suspect node's ranks move to an idle spare at a step boundary
 
 
 # The process-level strategies and the dump, in MindCluster's order of preference.

@@ -94,6 +94,22 @@ def test_a_worker_killed_during_an_overlapped_snapshot_restarts_from_a_complete_
     assert run.result["param_sha256"] == reference_run.result["param_sha256"]
 
 
+def test_a_job_restart_right_before_a_t2_commit_keeps_that_checkpoint(reference_run: JobRun, tmp_path: Path) -> None:
+    """Rank 0's persister has written step 10's shared shard and waits 4 s before its commit (a slow
+    store: ``stall ... at=persist:seconds=4``); rank 3 is killed meanwhile, at step 12, after every
+    other rank's records of step 10 are in. The job restart holds its stop orders until rank 0 has
+    committed step 10 (a survivor stopped at once would lose it), then restarts; bitwise equal."""
+    run = run_job(tmp_path, ["--inject", "stall:rank=0:step=10:at=persist:seconds=4",
+                             "--inject", "kill:rank=3:step=12"])
+    assert_recovered_bitwise(run, reference_run, "worker_exit", source="memory", step=(11, 12))
+    [drain] = run.kinds(ev.COMMIT_DRAIN)
+    assert (drain.rank, drain.step, drain.details["outcome"]) == (0, 10, "committed")
+    saves = [event for event in run.kinds(ev.CHECKPOINT_SAVE) if event.step == 10]  # (pruned by step 30's)
+    assert saves and saves[0].generation == 1
+    [restart] = run.kinds(ev.RESTART_BEGIN)
+    assert restart.time < saves[0].time < run.kinds(ev.GENERATION_START)[-1].time
+
+
 def test_killed_node_job_restarts_bitwise_equal(reference_run: JobRun, tmp_path: Path) -> None:
     # The lost node's memory is gone with it: back to the step-10 checkpoint in storage. The node
     # dies once that checkpoint is committed (committed=10): the background persister may still be

@@ -65,6 +65,10 @@ class Hosts:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.processes: dict[int, subprocess.Popen] = {}
+        # What the next ``start`` runs its node under: a command prefix (a mount namespace) and
+        # environment variables of that host's own.
+        self.wrap: list[str] = []
+        self.extra_env: dict[str, str] = {}
 
     def run_dir(self, node: int) -> Path:
         return self.root / f"node{node}"
@@ -78,9 +82,10 @@ class Hosts:
             args += ["--controller-bind", self.controller_host]
         if spare:
             args += ["--standby", "1"]
-        env = dict(os.environ, **{MARK_ENV: self.mark, "PYTHONUNBUFFERED": "1"})
-        command = undying_command([*args, str(EXAMPLE), "--steps", str(STEPS), *self.script_args],
-                                  self.reschedule_wait if node == 0 else None)
+        env = dict(os.environ, **{MARK_ENV: self.mark, "PYTHONUNBUFFERED": "1"}, **self.extra_env)
+        command = [*self.wrap, *undying_command([*args, str(EXAMPLE), "--steps", str(STEPS), *self.script_args],
+                                                self.reschedule_wait if node == 0 else None)]
+        self.wrap, self.extra_env = [], {}
         if self.network is not None:
             command = self.network.command(node, command)
             env.update(WORKER_ENV)

@@ -51,6 +51,8 @@ FAST = {
     "heartbeat_timeout": 0.4,
     "monitor_interval": 0.05,
     "node_return_timeout": 5.0,
+    # The test's agents send no health check after a stop unless the test plays one (test_node_check.py).
+    "node_check": False,
 }
 # A test that forgets an agent still ends quickly.
 EXIT_GRACE = 1.0

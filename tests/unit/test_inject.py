@@ -189,3 +189,40 @@ def test_an_injection_without_committed_never_looks_at_storage():
     with pytest.raises(InjectedFault):
         points.in_step_body(15)
     assert reporter.events == [("injection", 15, {"spec": "raise:rank=0:step=15"})]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("slow:rank=3:step=8:factor=1.5", Injection(0, "slow", 8, rank=3, factor=1.5)),
+        ("nan:rank=1:step=12", Injection(0, "nan", 12, rank=1)),
+        ("nan:rank=1:step=12:persistent", Injection(0, "nan", 12, rank=1, persistent=True)),
+        ("check:node=1", Injection(0, "check", None, node=1)),
+        ("stall:rank=0:step=10:at=persist:seconds=3", Injection(0, "stall", 10, rank=0, at="persist", seconds=3.0)),
+    ],
+)
+def test_parse_the_kinds_that_slow_poison_or_fail_a_check(text, expected):
+    assert parse_injection(text) == expected
+    assert parse_injection(expected.text()) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("slow:rank=1:step=5", "slow needs factor=F with F > 1"),
+        ("slow:rank=1:step=5:factor=1", "slow needs factor=F with F > 1"),
+        ("check:node=1:step=3", "bad field 'step=3'"),
+        ("nan:rank=1:step=2:persistent:persistent", "bad field 'persistent'"),
+        ("stall:rank=1:step=2:seconds=soon", "seconds must be a number"),
+        ("kill:rank=1:step=2:persistent", "bad field 'persistent'"),
+    ],
+)
+def test_the_new_kinds_refuse_bad_fields_in_one_line(text, message):
+    with pytest.raises(InjectionSpecError, match=message):
+        parse_injection(text)
+
+
+def test_a_check_injection_fires_in_no_worker_and_may_aim_at_a_spare():
+    check = parse_injection("check:node=2")
+    assert not check.targets(rank=0, node=2, local_rank=0, step=0)
+    check_targets([check], world_size=4, nnodes=2)  # node 2: a spare's id

@@ -99,6 +99,8 @@ class Persister:
         self._pending: _Job | None = None
         self._results: list[PersistResult] = []
         self._closing = False
+        self._draining = False  # the process is about to be stopped: no more waiting for missing records
+        self.committing = 0  # the step this rank commits, its job in flight (0: none, or not the writer)
         self._thread = threading.Thread(target=self._run, name="undying-persister", daemon=True)
         self._thread.start()
 
@@ -128,6 +130,13 @@ class Persister:
             results, self._results = self._results, []
         return results
 
+    def drain(self, timeout: float) -> bool:
+        """This process is about to be stopped (a job restart): the job in flight goes on, but a writer
+        waits no longer for records that are not in the store (it gives up: the checkpoint stays
+        uncommitted). True once idle, False if ``timeout`` passed first."""
+        self._draining = True
+        return self._idle.wait(timeout)
+
     def close(self, timeout: float | None = None) -> None:
         self.flush(timeout)
         self._closing = True
@@ -147,6 +156,7 @@ class Persister:
                     return
                 continue
             started = time.monotonic()
+            self.committing = job.step if self.rank == job.members[0] else 0
             try:
                 result = self._persist(job, started)
             except Exception as error:  # noqa: BLE001 - reported as a result, the training goes on
@@ -156,6 +166,7 @@ class Persister:
                 self._idle.set()  # the thread is going: nobody may wait for it any longer
                 raise
             finally:
+                self.committing = 0
                 self.snapshots.unpin(job.slot)
             with self._lock:
                 self._results.append(result)
@@ -171,7 +182,7 @@ class Persister:
         writer = job.members[0]
         # Every rank's file records (and a sharded job's DCP plans) go to the writer through the store.
         exchange = Exchange(self.store, self._records_key(job), self.rank, list(job.members), self.records_timeout,
-                            lambda: self.current_generation() == job.generation)
+                            lambda: self.current_generation() == job.generation and not self._draining)
         rank_state = state["rank"]
         if self.sharded_state is not None:
             # Every rank writes its shards into one DCP checkpoint; the rank file keeps the rest.

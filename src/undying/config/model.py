@@ -143,6 +143,27 @@ class JobSpec(BaseModel):
     node_return_timeout: float = Field(120.0, gt=0)
     # Seconds a job asked to stop (SIGTERM, undying stop) has to persist its newest step before it is cancelled.
     stop_timeout: float = Field(120.0, gt=0)
+    # Stragglers (controller/stragglers.py): a rank whose busy time per step (compute and data loading,
+    # not the wait inside collectives), averaged over its last straggler_window steps, is at least
+    # straggler_threshold times its peers' median is reported; switch: its node's ranks move to an
+    # idle spare at a step boundary (needs process_recover). off: step times are not compared.
+    straggler_strategy: Literal["off", "report", "switch"] = "report"
+    straggler_threshold: float = Field(1.3, gt=1, le=100)
+    straggler_window: int = Field(10, ge=2, le=1000)
+    # Bad steps (runtime/step_check.py): a non-finite gradient norm or ft.check value fails the step on
+    # every rank before the update, and so does a loss (ft.check(loss=...)) above loss_spike_factor
+    # times its mean over the last loss_spike_window committed steps (None: no spike check). The step
+    # is replayed from the committed state; a replay that is bad again is skipped (committed without
+    # its update) or stops the job (bad_step_repeat); a clean replay (bad_step_transient) is reported,
+    # or switches the node of the rank whose value was bad to a spare.
+    bad_step_check: bool = True
+    loss_spike_factor: float | None = Field(None, gt=1)
+    loss_spike_window: int = Field(20, ge=2, le=100000)
+    bad_step_repeat: Literal["skip", "stop"] = "stop"
+    bad_step_transient: Literal["report", "switch"] = "report"
+    # Health checks (node_check.py): each agent checks its node before it is given ranks (its first
+    # hello, a spare's adoption, after a job restart stopped its workers); a node that fails holds no ranks.
+    node_check: bool = True
     watchdog: Literal["on", "off", "detect-only"] = "on"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
@@ -176,12 +197,17 @@ class JobSpec(BaseModel):
         "step_timeout",
         "node_return_timeout",
         "stop_timeout",
+        "straggler_threshold",
+        "straggler_window",
+        "loss_spike_factor",
+        "loss_spike_window",
         "nnodes",
         "min_nodes",
         "nproc_per_node",
         mode="before",
     )(_reject_bool)
-    _on_off_from_yaml_bool = field_validator("pod_rescheduling", "watchdog", mode="before")(_on_off_from_bool)
+    _on_off_from_yaml_bool = field_validator("pod_rescheduling", "watchdog", "straggler_strategy",
+                                             mode="before")(_on_off_from_bool)
 
     @field_validator("fault_scheduling", mode="before")
     @classmethod
@@ -247,6 +273,12 @@ class JobSpec(BaseModel):
                 self.heartbeat_timeout,
                 field="heartbeat_timeout",
             )
+        for field, value in (("straggler_strategy", self.straggler_strategy),
+                             ("bad_step_transient", self.bad_step_transient)):
+            if value == "switch" and not self.process_recover:
+                raise spec_rule("switch moves a node's ranks to a spare in a process-level recovery, "
+                                "which needs process_recover: true", "report, or process_recover: true",
+                                value, field=field)
         if self.min_nodes is not None and not 1 <= self.min_nodes <= self.nnodes:
             raise spec_rule("out of range", f"1..{self.nnodes} (nnodes)", self.min_nodes, field="min_nodes")
         return self

@@ -189,8 +189,8 @@ class Controller:
 
     def hello(self, hello: AgentHello) -> HelloReply:
         # The probe is read before the lock: storage (a shared filesystem, an object store) may be slow.
-        problem = hello.root_probe_error
-        if not problem and hello.root_probe and self.t2_root is not None:
+        problem = ""
+        if hello.root_probe and self.t2_root is not None:
             problem = take_probe(self.t2_root, hello.root_probe)
         with self._cond:
             self._check_in_charge()

@@ -13,6 +13,9 @@ from undying.config import JobSpec
 
 # How long stopped workers may take to go before the restart goes ahead anyway.
 STOP_TIMEOUT = 30.0
+# How long a job restart holds its stop orders while a survivor commits a T2 checkpoint whose records
+# are all in (the worker's own bound is runtime/recovery_client.py COMMIT_DRAIN_S).
+COMMIT_DRAIN = 30.0
 # How long agents have to pick up their exit order at the end of the job.
 EXIT_GRACE = 10.0
 # A worker's own report that its step failed waits this long for the cause to show up
@@ -53,6 +56,7 @@ class Deadlines:
     reschedule_wait: float  # a lost node's time to come back before an elastic shrink
     graceful_stop: float = 120.0  # a job asked to stop persists its newest step within this, or is cancelled
     stop: float = STOP_TIMEOUT
+    commit_drain: float = COMMIT_DRAIN
     exit_grace: float = EXIT_GRACE
     step_failed_grace: float = STEP_FAILED_GRACE
 

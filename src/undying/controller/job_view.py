@@ -20,6 +20,7 @@ from typing import Any
 
 from undying import events as ev
 from undying.events import Event, heartbeat_scalars
+from undying.incidents import INCIDENT_KINDS, describe_incident
 from undying.strategy_names import StrategyName
 
 # Events whose step is the committed step of their rank when it was logged (a checkpoint's event
@@ -30,7 +31,8 @@ RECENT_KEPT = 20  # latest faults and recoveries kept for /status
 # Events worth a line among the latest faults and recoveries, and how each reads.
 _NOTABLE = frozenset({ev.FAULT_DETECTED, ev.DECISION, ev.RECOVERY_FAILED, ev.ELASTIC_SHRINK, ev.ELASTIC_GROW,
                       ev.CONTROLLER_TAKEOVER, ev.PERSIST_FAILED, ev.CHECKPOINT_CORRUPT, ev.HANG_SUSPECTED,
-                      ev.JOB_END})
+                      ev.JOB_END, *INCIDENT_KINDS})
+STEP_PARTS = ("compute", "comm", "data")  # a heartbeat's step times (runtime/step_timing.py)
 
 
 @dataclass
@@ -47,6 +49,8 @@ class Measured:
     checkpoint_stall: float | None = None  # seconds the training thread lost to a checkpoint's T1 copy
     persist_seconds: float | None = None  # seconds the T2 write of a checkpoint took in the background
     persist_failed: bool = False
+    step_parts: dict[str, float] = field(default_factory=dict)  # one rank's mean compute, comm, data per step
+    incident: str | None = None  # straggler, switch_begin, node_check_failed, or bad_step:<action>
 
 
 @dataclass
@@ -88,6 +92,12 @@ class JobView:
             self._pace_sample(event.rank, event.generation, event.time, event.step, measured)
         if kind == ev.HEARTBEAT and event.rank is not None and event.generation is not None:
             self._scalars[event.rank] = (event.generation, heartbeat_scalars(details))
+            times = details.get("step_times")
+            if isinstance(times, dict):
+                measured.step_parts = {part: float(times[part]) for part in STEP_PARTS
+                                       if isinstance(times.get(part), int | float)}
+        elif kind in INCIDENT_KINDS:
+            measured.incident = f"{kind}:{details.get('action')}" if kind == ev.BAD_STEP else kind
         elif kind == ev.CHECKPOINT_LOAD and event.step is not None and event.generation is not None \
                 and (self._pace is None or event.generation > self._pace.generation):
             self._credited_step = event.step  # a restart restored this step: steps from here are new work
@@ -222,6 +232,6 @@ def _line(event: Event) -> dict[str, Any]:
         ev.CHECKPOINT_CORRUPT: lambda: f"skipped corrupt checkpoint {details.get('path')}",
         ev.HANG_SUSPECTED: lambda: f"hang suspected on rank {event.rank} (not acted on)",
         ev.JOB_END: lambda: f"job {details.get('outcome')}: {details.get('message')}",
-    }[event.kind]()
+    }.get(event.kind, lambda: describe_incident(event.kind, event.step, event.rank, event.node, details))()
     return {"time": event.time, "kind": event.kind, "generation": event.generation, "step": event.step,
             "rank": event.rank, "node": event.node, "text": text}

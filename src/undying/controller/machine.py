@@ -24,6 +24,7 @@ from undying.controller.admission import hello_refusal
 from undying.controller.crash_loop import CrashLoop
 from undying.controller.deadlines import HEARTBEAT_LOG_EVERY, Deadlines
 from undying.controller.detection import FaultDetector
+from undying.controller.fitness import check_after_restart, join_as_unfit_spare, unfit_reason
 from undying.controller.membership import Membership, NodeRecord, RankRecord
 from undying.controller.persist_health import PersistHealth
 from undying.controller.recovery import ActiveRecovery, note_check_in, plan_for
@@ -35,6 +36,7 @@ from undying.controller.state import (
     JobState,
     check_transition,
 )
+from undying.controller.suspects import Suspects
 from undying.events import Event
 from undying.faults import Fault, FaultReason
 from undying.inject import decode as decode_injections
@@ -86,6 +88,8 @@ class JobMachine:
         self.job_restarts = 0  # the job-level restarts among them
         self.crash_loop = CrashLoop(spec.crash_loop_limit)
         self.persist_health = PersistHealth()
+        self.suspects = Suspects(spec)  # stragglers and transient bad steps: nodes to switch to a spare
+        self.commit_drain: strategies.CommitDrain | None = None  # a job restart's stop held for a T2 commit
         self.stop_requested: str | None = None  # why the job was asked to stop (a graceful stop follows)
         self.stop_deadline = 0.0
         self.exit_code: int | None = None
@@ -136,6 +140,11 @@ class JobMachine:
             if self.state is JobState.WAITING_FOR_NODES:
                 self.finish(JobState.FAILED, EXIT_REFUSED, message, now)  # before a single rank ran
             return HelloReply(self.job_id, self.store_port, False, message)
+        why_unfit = unfit_reason(self.membership, hello)
+        if why_unfit:
+            return join_as_unfit_spare(self, hello, why_unfit, now)
+        if not hello.standby:
+            self.membership.unfit_places.discard(hello.node)
         nodes = self.membership.nodes
         previous = nodes.get(hello.node)
         if previous is not None and previous.alive and hello.pid and previous.pid == hello.pid \
@@ -148,8 +157,10 @@ class JobMachine:
             # A node's agent came back before anyone saw it go: its workers are gone all the same.
             self.lose_node(previous, "agent said hello again (restarted)", now, kill=False)
         nodes[hello.node] = NodeRecord(hello.node, hello.pid, hello.hostname, now, standby=hello.standby)
-        self.emit(ev.AGENT_REGISTERED, node=hello.node,
-                  details={"pid": hello.pid, "host": hello.hostname, "standby": hello.standby})
+        details: dict[str, Any] = {"pid": hello.pid, "host": hello.hostname, "standby": hello.standby}
+        if hello.check:
+            details["check"] = hello.check.get("timings", {})  # its health check's times (node_check.py)
+        self.emit(ev.AGENT_REGISTERED, node=hello.node, details=details)
         return HelloReply(self.job_id, self.store_port)
 
     def _returned_as_spare(self, hello: AgentHello, now: float) -> HelloReply:
@@ -173,6 +184,8 @@ class JobMachine:
         node.last_heard = now
         node.confirmed = True
         node.disconnected_since = None
+        if poll.check:
+            check_after_restart(self, node, poll.check, now)
         for raw in poll.workers:
             status = WorkerStatus.from_dict(raw)
             node.workers[status.rank] = status
@@ -250,6 +263,8 @@ class JobMachine:
         if record is None or beat.generation < record.spawn_generation or beat.generation > self.generation:
             return reply
         self.detector.record_heartbeat(record, beat, now)
+        record.committing = beat.committing
+        self.suspects.heartbeat(beat)
         self.crash_loop.heard(beat.generation, beat.step, beat.phase)
         if beat.mesh_shard:
             self.membership.mesh_shard = beat.mesh_shard
@@ -260,6 +275,9 @@ class JobMachine:
             details: dict[str, Any] = {**beat.scalars, "phase": beat.phase}
             if beat.max_steps:
                 details["max_steps"] = beat.max_steps
+            if beat.timed_steps:  # a dict: not one of the scalars beside the phase
+                details["step_times"] = {"steps": beat.timed_steps, "compute": beat.compute_seconds,
+                                         "comm": beat.comm_seconds, "data": beat.data_seconds}
             self.emit(ev.HEARTBEAT, node=beat.node, rank=beat.rank, step=beat.step,
                       generation=beat.generation, details=details)
         return reply
@@ -273,7 +291,12 @@ class JobMachine:
             record.done = True
             record.step = event.step or record.step
             record.step_known = record.step_known or bool(event.step)
+        stop = self.suspects.worker_event(self, event)  # names a bad step's ranks before it is logged
         self.effects.events.append(event)
+        if stop:
+            self.finish(JobState.FAILED, EXIT_FAILED, stop, now)
+        if self.commit_drain is not None:
+            self.commit_drain.worker_event(event)
         if event.kind == ev.CHECKPOINT_SAVE and event.step is not None:
             self.persist_health.saved(event.step, now)
         elif event.kind == ev.PERSIST_FAILED and event.step is not None:
@@ -347,6 +370,7 @@ class JobMachine:
                 strategies.begin_stop(self, self.stop_requested, now)
                 return
         if self.state is JobState.WAITING_FOR_NODES:
+            self.adopt_spares_for(self.membership.unfit_places, now)  # a node that failed its check
             if self.membership.all_nodes_alive():
                 self.start_generation(now)
             elif now > self.state_deadline:
@@ -358,7 +382,10 @@ class JobMachine:
             elif self.membership.ranks and all(r.done and r.exitcode == 0 for r in self.membership.ranks.values()):
                 self.finish(JobState.SUCCEEDED, EXIT_OK, f"finished at step {self.membership.committed_step()}", now)
             else:
+                self.suspects.find_stragglers(self, now)
                 strategies.ELASTIC_EXECUTOR.grow_if_nodes_returned(self, now)
+                if self.state is JobState.RUNNING:
+                    strategies.SWITCH_EXECUTOR.switch_if_due(self, now)
         elif self.state is JobState.RECOVERING:
             assert self.recovery is not None
             strategies.executor_for(self.recovery.strategy).progress(self, now)
@@ -388,6 +415,7 @@ class JobMachine:
         Fewer members: a job restart at the size an elastic shrink left (job_restart.py)."""
         self.generation += 1
         self.detector.clear()
+        self.suspects.new_generation()
         membership = self.membership
         world_size = self.spec.world_size
         membership.ranks = {}
@@ -425,6 +453,17 @@ class JobMachine:
         self.emit(ev.JOB_END, generation=self.generation, step=self.membership.committed_step(),
                   details={"outcome": state.value, "exit_code": exit_code, "message": message,
                            "recoveries": self.restart_count, "job_restarts": self.job_restarts})
+
+    def retire_node(self, node_id: int, why: str, now: float) -> None:
+        """Take ``node_id``'s place from its agent for good (switched out, strategies/switch.py): it is
+        told to say hello again (its workers stop) and joins as a spare never given ranks (fitness.py)."""
+        self.now = now
+        node = self.membership.nodes.get(node_id)
+        if node is None or not node.alive:
+            return
+        node.alive = False
+        node.orders.clear()
+        self.membership.retired[(node.hostname, node.pid)] = why
 
     def order_all(self, order: Order) -> None:
         for node in self.membership.nodes.values():

@@ -32,6 +32,8 @@ class NodeRecord:
     adopting: int | None = None  # the node whose place this spare was ordered to take
     disconnected_since: float | None = None  # its poll connection closed then, and it has not polled since
     last_heard: float | None = None  # its newest request of any kind (poll, report, beat) arrived then
+    unfit: str = ""  # why this agent's node may not hold ranks (a failed health check, switched out)
+    check_due: bool = False  # a job restart stopped its workers: its health check's new result is awaited
 
     def running_workers(self) -> list[WorkerStatus]:
         # A stopped (SIGSTOP) process is alive too: it holds its rank until its agent kills it.
@@ -71,6 +73,7 @@ class RankRecord:
     error: str = ""  # an exit's exception line, as its agent read it from the log
     log_tail: tuple[str, ...] = ()  # ... and the log's last lines
     step_known: bool = True  # False: restored by a failover and not heard from since
+    committing: int = 0  # the step whose T2 checkpoint its persister commits, per its newest beat (0: none)
 
 
 class Membership:
@@ -84,6 +87,10 @@ class Membership:
         self.members: list[int] = []  # ranks of the current generation, in process-group order
         self.adopted_by: dict[int, int] = {}  # node -> the spare agent id that took its place
         self.last_spare_id = -1
+        # Agents (host, pid) switched out of the job (a straggler, a transient bad step): never given
+        # ranks again, and why. And the node places whose agent failed its health check (a spare takes them).
+        self.retired: dict[tuple[str, int], str] = {}
+        self.unfit_places: set[int] = set()
         # A sharded job's ranks per replica (ft.device_mesh's shard, from the workers' heartbeats);
         # 0: data parallel, or not heard yet. Rank r sits in replica r // mesh_shard.
         self.mesh_shard = 0
@@ -130,7 +137,7 @@ class Membership:
 
     def idle_spare(self) -> NodeRecord | None:
         return next((n for n in sorted(self.nodes.values(), key=lambda n: n.node)
-                     if n.standby and n.alive and n.adopting is None), None)
+                     if n.standby and n.alive and n.adopting is None and not n.unfit), None)
 
     def being_adopted(self, node: int) -> bool:
         return any(n.adopting == node for n in self.nodes.values())

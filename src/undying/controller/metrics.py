@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric, StateSetMetricFamily
 
+from undying import events as ev
 from undying.controller.job_view import JobView, Measured
 from undying.controller.state import JobState
 from undying.events import Event
@@ -70,6 +71,20 @@ class JobMetrics:
         self.persist_time = Histogram("checkpoint_persist_seconds", "Time a checkpoint's background write "
                                       "to storage (T2) took", namespace=NAMESPACE, registry=registry,
                                       buckets=PERSIST_BUCKETS)
+        self.step_parts = Histogram("step_part_seconds", "A rank's mean time per step in each part: its own "
+                                    "compute, its wait inside collectives (comm), its data loading (from "
+                                    "sampled heartbeats)", ["part"], namespace=NAMESPACE, registry=registry,
+                                    buckets=STEP_BUCKETS)
+        self.stragglers = Counter("stragglers", "Ranks found persistently slower than their peers",
+                                  namespace=NAMESPACE, registry=registry)
+        self.switches = Counter("switches", "Nodes switched to a spare (a straggler, a transient bad step)",
+                                namespace=NAMESPACE, registry=registry)
+        self.bad_steps = Counter("bad_steps", "Attempts of a step the commit vote found bad (non-finite, a loss "
+                                 "spike), by what followed (replay, skip, stop), and replays that committed "
+                                 "(replayed: the fault was transient)", ["action"], namespace=NAMESPACE,
+                                 registry=registry)
+        self.node_checks_failed = Counter("node_check_failures", "Health checks a node failed (it was given "
+                                          "no ranks)", namespace=NAMESPACE, registry=registry)
         registry.register(_StateCollector(status))
 
     def observe(self, event: Event) -> None:
@@ -113,6 +128,19 @@ class JobMetrics:
             self.persist_time.observe(measured.persist_seconds)
         if measured.persist_failed:
             self.persist_failed.inc()
+        for part, seconds in measured.step_parts.items():
+            self.step_parts.labels(part).observe(seconds)
+        self._count_incident(measured.incident)
+
+    def _count_incident(self, incident: str | None) -> None:
+        if incident == ev.STRAGGLER:
+            self.stragglers.inc()
+        elif incident == ev.SWITCH_BEGIN:
+            self.switches.inc()
+        elif incident == ev.NODE_CHECK_FAILED:
+            self.node_checks_failed.inc()
+        elif incident is not None and incident.startswith(f"{ev.BAD_STEP}:"):
+            self.bad_steps.labels(incident.split(":", 1)[1]).inc()
 
 
 class _StateCollector:

@@ -43,6 +43,7 @@ class ActiveRecovery:
     reschedule_deadline: float = 0.0  # when awaited nodes are dropped (wait_reschedule_timeout)
     grow: bool = False  # an elastic grow-back, not a fault
     tried: set[StrategyName] = field(default_factory=set)  # strategies that already failed for this fault
+    retiring: int | None = None  # a switch: the node whose ranks stay until the others are at the boundary
 
     @property
     def world_size(self) -> int:
@@ -116,7 +117,9 @@ def plan_for(job: JobMachine, request: RecoverRequest) -> Plan:
     if recovery is not None:
         if recovery.plan is None:
             return Plan(action=PlanAction.WAIT)
-        in_plan = request.rank in recovery.checked_in or request.rank in recovery.newcomers
+        # A newcomer's rank is in the plan for its new process only: the old one (a switched node's
+        # rank, checked in at the boundary) has no part in it.
+        in_plan = request.rank in recovery.checked_in or (request.rank in recovery.newcomers and request.newcomer)
         return _stamped(job, recovery.plan) if in_plan else Plan(action=PlanAction.EXIT,
                                                                   reason="not part of this recovery")
     if job.state is JobState.RUNNING:

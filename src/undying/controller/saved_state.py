@@ -29,8 +29,12 @@ def export_state(job: JobMachine) -> dict[str, Any]:
         "restart_count": job.restart_count,
         "members": list(membership.members),
         "spawned": {str(rank): record.spawn_generation for rank, record in membership.ranks.items()},
-        "nodes": {str(n.node): {"standby": n.standby, "alive": n.alive, "pid": n.pid, "host": n.hostname}
+        "nodes": {str(n.node): {"standby": n.standby, "alive": n.alive, "pid": n.pid, "host": n.hostname,
+                                "unfit": n.unfit}
                   for n in membership.nodes.values()},
+        # Agents switched out (host, pid, why) and node places whose agent failed its check (fitness.py).
+        "retired": [[host, pid, why] for (host, pid), why in membership.retired.items()],
+        "unfit_places": sorted(membership.unfit_places),
         "adopted_by": {str(node): spare for node, spare in membership.adopted_by.items()},
         "plan": None if job.generation not in job.plans else job.plans[job.generation].to_dict(),
         "claimed_injections": sorted(job.claimed_injections),
@@ -72,7 +76,10 @@ def resume(job: JobMachine, saved: dict[str, Any], why: str, now: float) -> None
             # The agent's pid and host: a poll from another process is not the node's.
             membership.nodes[int(node_id)] = NodeRecord(int(node_id), int(node.get("pid") or 0),
                                                         str(node.get("host") or ""), now,
-                                                        standby=bool(node["standby"]), confirmed=False)
+                                                        standby=bool(node["standby"]), confirmed=False,
+                                                        unfit=str(node.get("unfit") or ""))
+    membership.retired = {(str(host), int(pid)): str(why) for host, pid, why in saved.get("retired", [])}
+    membership.unfit_places = {int(node) for node in saved.get("unfit_places", [])}
     for rank_text, spawned in saved["spawned"].items():
         rank = int(rank_text)
         membership.ranks[rank] = RankRecord(rank, membership.node_of(rank), int(spawned), now, last_heartbeat=now,

@@ -64,10 +64,11 @@ class RecoverySpan:
 
 @dataclass(frozen=True)
 class Marker:
-    """A moment across every lane: an elastic shrink or grow, a controller failover."""
+    """A moment across every lane: an elastic shrink or grow, a controller failover, an incident
+    (a straggler, a switch, a bad step, a failed health check: incidents.py)."""
 
     time: float
-    kind: str  # "elastic" or "failover"
+    kind: str  # "elastic", "failover" or "incident"
     label: str
 
 
@@ -87,8 +88,14 @@ class FigureData:
     startup: list[Span]
     recoveries: list[RecoverySpan]
     markers: list[Marker]
+    incidents: list[str]  # the report's lines for them (summary.incidents)
     loss: list[tuple[float, float]]  # (time, mean loss over the ranks sampled then)
     step_rate: list[tuple[float, float]]  # (time, steps per second), NaN between segments
+
+
+# An incident's marker reads this (the report's text and the notes beneath the panels say the whole line).
+INCIDENT_LABELS = {ev.STRAGGLER: "straggler", ev.SWITCH_BEGIN: "switch", ev.BAD_STEP: "bad step",
+                   ev.NODE_CHECK_FAILED: "check failed", ev.COMMIT_DRAIN: "commit kept"}
 
 
 def figure_data(events: list[Event]) -> FigureData:
@@ -106,11 +113,13 @@ def figure_data(events: list[Event]) -> FigureData:
     markers = [Marker(at(e), "elastic", world_change_label(e)) for e in events
                if e.kind in (ev.ELASTIC_SHRINK, ev.ELASTIC_GROW)]
     markers += [Marker(at(e), "failover", takeover_label(e)) for e in events if is_takeover(e)]
+    markers += [Marker(at(e), "incident", INCIDENT_LABELS[e.kind]) for e in events if e.kind in INCIDENT_LABELS]
     return FigureData(
         title=_title(summary), duration=max(duration, 1e-3), max_step=max_step,
         lanes=lanes_for(sorted(set(steps) | set(nodes)), nodes), steps=steps,
         startup=startup_phases(events, origin), recoveries=recovery_spans(events, summary, origin),
-        markers=sorted(markers, key=lambda m: m.time), loss=mean_loss(events, origin, duration),
+        markers=sorted(markers, key=lambda m: m.time), incidents=summary.incidents,
+        loss=mean_loss(events, origin, duration),
         step_rate=step_rate(steps))
 
 

@@ -30,6 +30,7 @@ _STARTUP_COLORS = ("#dfe7f3", "#cbd9ee", "#b8cbe8", "#a6bde2")
 _PHASE_COLORS = {"detect": "#ececec", "wait for plan": "#f6c6c1", "restart": "#f6c6c1", "rebuild + repair": "#f9dfae",
                  "restore": "#f9dfae", "first step": "#d4e9cf"}
 _FAULT_COLOR, _ELASTIC_COLOR, _FAILOVER_COLOR = "#d62728", "#7b3fbf", "#b8860b"
+_MARKER_COLORS = {"elastic": _ELASTIC_COLOR, "failover": _FAILOVER_COLOR, "incident": "#1f77b4"}
 _LANE_COLORS = ("#1f4e9c", "#2a7f62", "#8c3b9e", "#b35900", "#3f3f3f", "#0f7c8c", "#9c1f4e", "#5c6b00")
 
 
@@ -96,7 +97,7 @@ def _draw_strip(axes: Axes, data: FigureData) -> None:
         axes.text(recovery.start, 0.95, f"R{recovery.number}", color=_FAULT_COLOR, fontsize=9, fontweight="bold",
                   ha="center", va="bottom")
     for marker in data.markers:  # labelled here, where no line of a panel runs
-        color = _ELASTIC_COLOR if marker.kind == "elastic" else _FAILOVER_COLOR
+        color = _MARKER_COLORS[marker.kind]
         axes.axvline(marker.time, color=color, linewidth=1.2, linestyle="--")
         axes.text(marker.time, 1.5, f" {marker.label}", color=color, fontsize=8, va="center", ha="left")
 
@@ -138,7 +139,7 @@ def _shade(axes: Axes, data: FigureData) -> None:
                          linewidth=0)
         axes.axvline(recovery.start, color=_FAULT_COLOR, linewidth=1.0)
     for marker in data.markers:
-        axes.axvline(marker.time, color=_ELASTIC_COLOR if marker.kind == "elastic" else _FAILOVER_COLOR,
+        axes.axvline(marker.time, color=_MARKER_COLORS[marker.kind],
                      linewidth=1.2, linestyle="--")
 
 
@@ -169,7 +170,8 @@ def _draw_rate(axes: Axes, data: FigureData) -> None:
 
 
 def _notes(data: FigureData) -> list[str]:
-    """Beneath the panels: the start-up phases, then one line per recovery (fault, strategy, MTTR, phases)."""
+    """Beneath the panels: the start-up phases, one line per recovery (fault, strategy, MTTR, phases), then
+    one per incident (a straggler, a bad step, ...)."""
     lines = []
     if data.startup:
         phases = ", ".join(f"{span.label} {span.seconds:.2f} s" for span in data.startup)
@@ -180,6 +182,10 @@ def _notes(data: FigureData) -> list[str]:
                      "prints every one)")
     if not data.recoveries:
         lines.append("no fault in this run")
+    lines += data.incidents[:RECOVERY_LINES_SHOWN]
+    if len(data.incidents) > RECOVERY_LINES_SHOWN:
+        lines.append(f"... and {len(data.incidents) - RECOVERY_LINES_SHOWN} more incidents (undying report prints "
+                     "every one)")
     return [part for line in lines for part in textwrap.wrap(line, NOTE_WIDTH, subsequent_indent="    ")]
 
 

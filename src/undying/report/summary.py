@@ -34,6 +34,7 @@ from undying.events import (
     Event,
 )
 from undying.faults import describe_fault
+from undying.incidents import INCIDENT_KINDS, describe_incident
 
 # Events whose ``step`` is the committed step of their rank at that time.
 PROGRESS_KINDS = (HEARTBEAT, FIRST_STEP, CHECKPOINT_SAVE, CHECKPOINT_LOAD, WORKER_DONE)
@@ -86,6 +87,8 @@ class RunSummary:
     takeovers: list[str] = field(default_factory=list)  # controller failovers, in order
     numerics_changes: list[str] = field(default_factory=list)  # restores under other numerics, in order
     crash_loop: dict[str, Any] | None = None
+    # Stragglers, switches, bad steps, failed health checks, a restart's wait for a commit (incidents.py)
+    incidents: list[str] = field(default_factory=list)
     recoveries_total: int = 0  # recoveries of every kind (what max_restarts bounds)  # why a crash loop stopped the job, and its root cause
 
 
@@ -126,6 +129,8 @@ def summarize(events: list[Event]) -> RunSummary:
         takeovers=[takeover_label(e) for e in events if is_takeover(e)],
         numerics_changes=[numerics_change_label(e) for e in events if e.kind == NUMERICS_CHANGED],
         crash_loop=crash_loop.details if crash_loop else None,
+        incidents=[describe_incident(e.kind, e.step, e.rank, e.node, e.details) for e in events
+                   if e.kind in INCIDENT_KINDS],
         # A log cut short (or written before job_end counted them): every decision to recover.
         recoveries_total=int(end_details["recoveries"]) if "recoveries" in end_details else
         sum(1 for e in events if e.kind == DECISION and e.details.get("strategy") != "exit"),

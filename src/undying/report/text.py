@@ -40,6 +40,9 @@ def render_summary(summary: RunSummary) -> str:
         lines.append(f"crash loop: {loop.get('why')}; root cause: {loop.get('description')}"
                      + (f" at step {loop['step']}" if loop.get("step") is not None else ""))
         lines.extend(f"  | {line}" for line in loop.get("log_tail") or [])
+    if summary.incidents:
+        lines.append(f"incidents: {len(summary.incidents)}")
+        lines.extend("  " + incident for incident in summary.incidents)
     if summary.world_changes:
         lines.append("elastic: " + ", ".join(summary.world_changes))
     if summary.takeovers:

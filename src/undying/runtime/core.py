@@ -30,6 +30,7 @@ from undying.config import JobSpec
 from undying.data import ResumableLoader
 from undying.inject import decode
 from undying.protocol import Phase
+from undying.runtime.bad_steps import BadSteps
 from undying.runtime.carried_batches import DrawLedger
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.ddp_options import parse_ddp_options
@@ -103,6 +104,8 @@ class Runtime:
                                        self.injections, self.checkpoints)
         self.transaction = StepTransaction(self.spec, self.state, self.membership, self.reporter, self.rng_mirror,
                                            self.injections, self.device, self.checkpoints.peer)
+        self.bad_steps = BadSteps(self.spec, self.state, self.membership, self.reporter)
+        self.reporter.committing = self.checkpoints.committing_step
         self.reporter.emit(ev.WORKER_READY, step=0, seconds=round(time.time() - started, 4),
                            backend=self.backend, pid=os.getpid(), joining=self.joining)
 
@@ -241,6 +244,13 @@ class Runtime:
         A tensor is read with ``.item()`` (on a GPU, a sync: pass a number you already have)."""
         self.reporter.update(scalars=checked_scalars(scalars, self.reporter.scalars))
 
+    def check(self, **values: Any) -> None:
+        """Name values of this step to watch (``ft.check(loss=loss)``): numbers or one-element tensors,
+        read at ``opt.step()``. One that is not finite (or a ``loss`` above ``loss_spike_factor`` times
+        its recent mean) fails the step on every rank before the update, and the step is replayed
+        (runtime/bad_steps.py); this rank is named as the cause. The gradient norm is checked without it."""
+        self.transaction.check.watch(values)
+
     def steps(self, max_steps: int, start: int | None = None) -> Iterator[Step]:
         """Yield step numbers from the starting step to ``max_steps - 1``; each yield is one transaction.
 
@@ -271,14 +281,21 @@ class Runtime:
             yield Step(step, self.transaction)
             self.draws.end_step()
             failure = self.transaction.end()
-            if failure is not None:
+            bad = self.transaction.bad_step
+            skipped = bad is not None and self.bad_steps.after_bad(step, bad)  # committed without its update
+            if bad is not None and not skipped:
+                rerun_cause = "a bad step"  # replayed from the committed state
+                continue
+            if failure is not None and not skipped:
                 self._recover(failure, self.transaction.raised)
                 step = self.state.committed_step
                 first = True
                 rerun_cause = "a recovery"
                 continue
+            self.transaction.committed()
             self.state.committed_step = step + 1
-            if self.spec.sample_log:
+            self.bad_steps.committed(step)
+            if self.spec.sample_log and not skipped:
                 self._log_samples(step)
             self._mark_commit_boundary()
             self.reporter.update(step=self.state.committed_step, phase=Phase.UPDATED)
@@ -351,6 +368,7 @@ class Runtime:
         # Restored: a fault from now on finds this rank holding a step the job can recover from
         # in place, and the controller must know that before this rank's first step.
         self.reporter.report_now(self.state.committed_step, Phase.COMPUTING)
+        self.transaction.timer.restart()
         return "a restore" if restored else None
 
     def _watch_forwards(self, model: torch.nn.Module) -> None:
@@ -361,6 +379,7 @@ class Runtime:
                 self.draws.forward()
 
         model.register_forward_pre_hook(training_forward)
+        model.register_forward_hook(self.transaction.poison_output)
 
     def _mark_commit_boundary(self) -> None:
         """Remember what a rollback to this committed step needs, and mirror its RNG state where a
@@ -370,6 +389,7 @@ class Runtime:
     def _recover(self, reason: str, raised: tuple[list[str], str] | None = None) -> None:
         self.recovery.recover(reason, raised)
         self._resumed_from = self.state.committed_step
+        self.transaction.timer.restart()
 
     def _log_samples(self, step: int) -> None:
         """Append the sample indices this rank used in committed ``step`` (``sample_log: true``)."""

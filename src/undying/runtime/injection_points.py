@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from undying import events as ev
-from undying.inject import COMMIT_WAIT_S, Injection, fire
+from undying.inject import COMMIT_WAIT_S, NAN, SLOW, Injection, fire
 from undying.runtime.reporter import Reporter
 
 STEP = "step"  # the start of a training step (or, for ``raise``, inside its body)
@@ -20,6 +20,7 @@ RECOVERY = "recovery"  # while regrouping after a fault
 DUMP = "dump"  # while writing the dying checkpoint
 PERSIST = "persist"  # in the background persister, mid-write
 RAISE = "raise"  # the injection kind raised inside the step body instead of at its start
+STEP_LOOP_KINDS = (RAISE, SLOW, NAN)  # carried out by the step loop, not fired at a step's start
 
 
 class InjectionPoints:
@@ -34,11 +35,35 @@ class InjectionPoints:
         self._rank = rank
         self._node = node
         self._local_rank = local_rank
+        self._slow = 1.0  # a claimed ``slow``: every step of this process from then on takes this many times
+        self._poisoning: set[int] = set()  # claimed persistent ``nan`` injections (their step stays NaN)
 
     def at_step_start(self, step: int) -> None:
         for injection in self.injections:
-            if injection.kind != RAISE and injection.at == STEP and self._claim(injection, step):
+            if injection.kind not in STEP_LOOP_KINDS and injection.at == STEP and self._claim(injection, step):
                 fire(injection)
+
+    def slowdown(self, step: int) -> float:
+        """How many times as long this process's steps take (``slow``, from its step on; 1.0: none)."""
+        for injection in self.injections:
+            if injection.kind == SLOW and injection.factor is not None and self._claim(injection, step):
+                self._slow = injection.factor
+        return self._slow
+
+    def poisoned(self, step: int) -> bool:
+        """Are the model's outputs in this attempt of ``step`` to be NaN (``nan``)? A transient one
+        poisons the first attempt only; a persistent one every attempt of its step in this process."""
+        poisoned = False
+        for injection in self.injections:
+            if injection.kind != NAN:
+                continue
+            if injection.index in self._poisoning and injection.step == step:
+                poisoned = True
+            elif self._claim(injection, step):
+                poisoned = True
+                if injection.persistent:
+                    self._poisoning.add(injection.index)
+        return poisoned
 
     def in_step_body(self, step: int) -> None:
         """Called by opt.step(): a ``raise`` injection fires inside the step body even unguarded."""

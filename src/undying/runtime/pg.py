@@ -35,6 +35,15 @@ BACKEND_TIMEOUT_S = 1800.0  # the backends' own default (30 minutes), used when 
 # bounded wait reports it and recovery aborts the group. Read by each ProcessGroupNCCL at construction.
 NCCL_ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
+# Seconds this process has spent waiting for collectives to complete, over every generation's group:
+# a rank's wait for its peers (runtime/step_timing.py tells its own compute from it).
+_waited = 0.0
+
+
+def waited_seconds() -> float:
+    """Seconds spent so far in collective waits (``GenerationGroup``'s), by every thread of the process."""
+    return _waited
+
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; carries where it happened."""
@@ -152,6 +161,14 @@ class GenerationGroup:
         work's future completes when the kernel is enqueued, so there the loop also polls
         ``work.is_completed()``; on timeout or abort the group's communicators are aborted.
         """
+        started = time.perf_counter()
+        try:
+            self._wait_settled(op, work)
+        finally:
+            global _waited
+            _waited += time.perf_counter() - started
+
+    def _wait_settled(self, op: str, work: dist.Work) -> None:
         finished = threading.Event()
         failure: list[BaseException] = []
         try:

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from undying.runtime.snapshots import CheckpointEngine
 
 PARK_POLL_S = 1.0
+# The longest a parked rank lets its persister finish a T2 commit whose records are all in (the
+# controller holds the job restart's stop orders as long: controller/deadlines.py COMMIT_DRAIN).
+COMMIT_DRAIN_S = 30.0
 SOURCE_T1 = "t1"  # where a receiver's state came from (state_received, shard_received): its node's T1
 SOURCE_REPLICA = "replica"  # ... or a peer holding the same state (the plan's source, a shard's donor)
 SOURCE_PEER_COPY = "peer_copy"  # ... or the copy of its T1 snapshot kept on another node (runtime/peer_copy.py)
@@ -130,6 +133,7 @@ class RecoveryClient:
             # The job stops: this rank writes its part of the newest committed step, then waits to be stopped.
             self.checkpoints.persist_now(plan.target_step)
         if plan.action != PlanAction.RESUME:
+            self.checkpoints.finish_commit(COMMIT_DRAIN_S)
             self._park()
         if plan.store:
             self._follow_store(plan.store)

@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from undying.client import ControllerClient, ControllerUnreachable
@@ -33,6 +34,7 @@ from undying.protocol import (
     PlanAction,
     RecoverRequest,
 )
+from undying.runtime.step_timing import StepTimes
 
 PROGRESS_MIN_SPACING = 0.1  # seconds between two heartbeats, however fast steps go
 EVENT_TIMEOUT_S = 5.0
@@ -52,6 +54,9 @@ class Reporter:
         self.scalars: dict[str, float] = {}  # the newest value of each name the script logged (ft.log)
         self.mesh_shard = 0  # set by ft.device_mesh: the controller shrinks a sharded job by whole replicas
         self.max_steps = 0  # set by ft.steps(n): the console shows the step of n
+        self.step_times = StepTimes()  # the newest committed steps' times (runtime/step_timing.py)
+        # The step whose T2 checkpoint this rank commits, its persister busy with it (0: none).
+        self.committing: Callable[[], int] = lambda: 0
         self.abort_generation = 0  # the newest generation the controller told us to abandon
         self.end_generation = 0  # the newest generation the controller ends at a step boundary
         self.mirror_store = ""  # failover jobs: a second store for the RNG mirror (from heartbeat replies)
@@ -114,8 +119,10 @@ class Reporter:
 
     def _beat(self, client: ControllerClient) -> None:
         """One heartbeat; its reply says which generations the controller aborted or ends."""
+        times = self.step_times
         beat = Heartbeat(self.rank, self.node, self.generation, self.step, self.phase, os.getpid(), self.scalars,
-                         self.mesh_shard, self.max_steps)
+                         self.mesh_shard, self.max_steps, times.steps, round(times.compute, 6),
+                         round(times.comm, 6), round(times.data, 6), self.committing())
         sent_at = time.monotonic()
         try:
             reply = HeartbeatReply.from_dict(client.post(ROUTE_WORKER_HEARTBEAT, beat.to_dict()))

@@ -238,6 +238,16 @@ class CheckpointEngine:
         persister.flush()
         self._report_results()
 
+    def committing_step(self) -> int:
+        """The step whose T2 checkpoint this rank commits, its persister busy with it (0: none)."""
+        return self._persister.committing if self._persister is not None else 0
+
+    def finish_commit(self, timeout: float) -> None:
+        """This process is about to be stopped (a job restart): a commit whose records are all in
+        finishes first (at most ``timeout`` s; ``Persister.drain``), and its outcome is reported."""
+        if self._persister is not None and self._persister.drain(timeout):
+            self._report_results()
+
     def _report_results(self) -> None:
         if self._persister is None:
             return

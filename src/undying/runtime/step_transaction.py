@@ -4,14 +4,21 @@ Runs in the worker. The runtime (runtime/core.py) begins one per step; the wrapp
 ``step()`` asks ``commit`` whether to apply the update: the gradients are averaged (during
 backward as a rule, runtime/ddp.py), every rank votes, and a rank whose generation the controller
 has meanwhile aborted applies nothing. An exception inside ``with step:`` votes no when ``retry``
-is on. What failed is kept in ``failure``; the runtime then recovers and re-runs the step.
+is on. What failed is kept in ``failure``; the runtime then recovers and re-runs the step. The vote
+also carries the bad-step check (runtime/step_check.py): a step whose values are not finite or whose
+loss spikes fails on every rank alike (``bad_step``), and the runtime replays it (runtime/bad_steps.py).
+The transaction times each step (runtime/step_timing.py) and is where the ``slow`` and ``nan``
+injections act on it.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from undying.config import JobSpec
 from undying.log_tail import exception_tail
@@ -24,6 +31,8 @@ from undying.runtime.peer_copies import PeerCopies
 from undying.runtime.pg import CollectiveError
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng_mirror import RngMirror
+from undying.runtime.step_check import REPORT_LEN, BadStep, StepCheck, gradients_of
+from undying.runtime.step_timing import StepTimer
 from undying.runtime.training_state import TrainingState
 from undying.strategy_names import StrategyName
 
@@ -56,18 +65,48 @@ class StepTransaction:
         self.raised: tuple[list[str], str] | None = None
         self.voted = False
         self.updated = False
+        self.check = StepCheck(spec, membership.rank)
+        self.bad_step: BadStep | None = None  # the vote found the step bad (no rank applied it)
+        self.timer = StepTimer(spec.straggler_window, self._data_seconds)
+        self._poisoned = False  # an injected ``nan``: this attempt's model outputs are NaN
+        if spec.loss_spike_factor is not None:
+            state.register("undying.recent_losses", self.check.recent)  # job state: every rank holds it alike
 
     def begin(self, step: int) -> None:
         self.failure = None
         self.raised = None
+        self.bad_step = None
         self.voted = False
         self.updated = False
+        self.timer.begin()
+        self.check.begin_step()
         for loader in self.state.loaders:
             loader.begin_step()
         for model in self.state.models:
             model.begin_step()
         self.set_phase(Phase.COMPUTING)
         self.injections.at_step_start(step)
+        self._poisoned = self.injections.poisoned(step)
+        slowdown = self.injections.slowdown(step)
+        if slowdown > 1.0:
+            extra = (slowdown - 1.0) * self.timer.own_compute  # as if its compute took that much longer
+            self.timer.injected(extra)
+            time.sleep(extra)
+
+    def committed(self) -> None:
+        """The step committed (and its checkpoint work is done): its times go out with the next beats."""
+        self.timer.committed()
+        self.reporter.step_times = self.timer.typical()
+
+    def poison_output(self, _module: torch.nn.Module, _args: Any, output: Any) -> Any:
+        """A wrapped model's forward hook: an injected ``nan`` makes the outputs of this attempt NaN."""
+        if not self._poisoned or not torch.is_grad_enabled():
+            return None
+        return tree_map_only(torch.Tensor, lambda t: t * math.nan if t.is_floating_point() else t, output)
+
+    def _data_seconds(self) -> float:
+        loaders = [*self.state.loaders, *self.state.statefuls.values()]
+        return sum(getattr(loader, "read_seconds", 0.0) for loader in loaders)
 
     def end(self) -> str | None:
         """Why the step that just ended cannot stand (None: it committed)."""
@@ -109,14 +148,21 @@ class StepTransaction:
             for model in self.state.models:
                 model.sync_gradients()
             self.set_phase(Phase.SYNCING)
-            all_ok, sums = self._buffers_and_vote(vote_ok)
+            all_ok, sums = self._buffers_and_vote(vote_ok, final=True)
         except CollectiveError as error:
             self.fail(f"gradient all-reduce failed: {error}")
             return False
         if not all_ok:
             self.fail("a rank voted against this step")
             return False
-        if sums is not None and self.peer_copies is not None:
+        checked, sums = (sums[:REPORT_LEN], sums[REPORT_LEN:]) if self.check.enabled and sums else ([], sums)
+        self.bad_step = self.check.verdict(checked) if checked else None
+        if self.bad_step is not None:
+            self.fail(f"bad step: {self.bad_step.cause}")
+            return False
+        if checked:
+            self.check.committed(checked)
+        if sums and self.peer_copies is not None:
             self.peer_copies.vote_result(sums, self.membership.current_group().world_size)
         # The fence: a rank silent for long enough to have been given up (a frozen host, woken) asks
         # the controller first, and applies nothing if its generation was aborted meanwhile: its
@@ -149,15 +195,18 @@ class StepTransaction:
             self.fail("a rank voted against this step")
         return all_ok
 
-    def _buffers_and_vote(self, vote_ok: bool) -> tuple[bool, list[float] | None]:
+    def _buffers_and_vote(self, vote_ok: bool, final: bool = False) -> tuple[bool, list[float] | None]:
         """The models' buffers made group rank 0's (``broadcast_buffers``), then one vote-shaped
-        all-reduce: (every rank voted yes, the peer-copy report sums or None)."""
+        all-reduce: (every rank voted yes, the sums of the reports or None). The reports: at the
+        ``final`` vote the bad-step check's (first, REPORT_LEN of them), then the peer copies'."""
         for model in self.state.models:
             if isinstance(model, FixedLayoutDDP):
                 model.sync_buffers()
         group = self.membership.current_group()
-        if self.peer_copies is not None and self.peer_copies.enabled:
-            return commit_vote_with_sums(group, vote_ok, self.peer_copies.vote_report(), self.device)
+        checked = self.check.vote_report(gradients_of(self.state.models)) if final and self.check.enabled else ()
+        copies = self.peer_copies.vote_report() if self.peer_copies is not None and self.peer_copies.enabled else ()
+        if checked or copies:
+            return commit_vote_with_sums(group, vote_ok, (*checked, *copies), self.device)
         return commit_vote(group, vote_ok, self.device), None
 
     def step_raised(self, error: BaseException | None) -> bool:

@@ -20,9 +20,10 @@ from undying.controller.state import EXIT_FAILED, JobState
 from undying.controller.strategies.base import Attempt, Decision, Executor, RecoveryContext, strategy_enabled
 from undying.controller.strategies.dump import Dump
 from undying.controller.strategies.elastic import Elastic
-from undying.controller.strategies.job_restart import Exit, JobRestart
+from undying.controller.strategies.job_restart import CommitDrain, Exit, JobRestart
 from undying.controller.strategies.process import Recover, RecoverInPlace, Retry
 from undying.controller.strategies.stop import GracefulStop
+from undying.controller.strategies.switch import Switch
 from undying.faults import PROCESS_FAULTS, Fault, FaultReason
 from undying.protocol import Phase
 from undying.strategy_names import CHAIN_ORDER, StrategyName
@@ -30,20 +31,23 @@ from undying.strategy_names import CHAIN_ORDER, StrategyName
 if TYPE_CHECKING:
     from undying.controller.machine import JobMachine
 
-__all__ = ["BUILT", "Attempt", "Decision", "Executor", "RecoveryContext", "act_on", "decide", "describe_chain",
+__all__ = ["BUILT", "Attempt", "CommitDrain", "Decision", "Executor", "RecoveryContext", "act_on", "decide",
+           "describe_chain",
            "effective_chain", "executor_for", "handle_fault", "never_started", "unbuilt_strategies"]
 
 ELASTIC_EXECUTOR = Elastic()
 JOB_RESTART_EXECUTOR = JobRestart()
 EXIT_EXECUTOR = Exit()
 STOP_EXECUTOR = GracefulStop()
+SWITCH_EXECUTOR = Switch()
 # Strategies this version carries out. The others are validated and reported, then skipped.
 BUILT: dict[StrategyName, Executor] = {
     StrategyName.RETRY: Retry(), StrategyName.RECOVER_IN_PLACE: RecoverInPlace(), StrategyName.RECOVER: Recover(),
     StrategyName.ELASTIC: ELASTIC_EXECUTOR, StrategyName.DUMP: Dump(),
 }
 _EVERY: dict[StrategyName, Executor] = {**BUILT, StrategyName.JOB_RESTART: JOB_RESTART_EXECUTOR,
-                                        StrategyName.EXIT: EXIT_EXECUTOR, StrategyName.STOP: STOP_EXECUTOR}
+                                        StrategyName.EXIT: EXIT_EXECUTOR, StrategyName.STOP: STOP_EXECUTOR,
+                                        StrategyName.SWITCH: SWITCH_EXECUTOR}
 
 
 def executor_for(name: str) -> Executor:

@@ -5,11 +5,16 @@ generation, waits (up to ``node_return_timeout``) for every node's agent, adopti
 for lost nodes, and starts the next generation from the newest verified checkpoint (in
 node memory or storage); it counts against ``max_restarts``. A job that elastic training
 has shrunk restarts at once with the members it has instead (``shrunk_restart_members``).
-Exit ends the job as failed.
+Two things come between the stop and the start: a survivor committing a T2 checkpoint whose
+records are all in finishes it first (``CommitDrain``, at most ``commit_drain`` seconds: the
+survivors leave their step at once, only the stop orders wait), and every node runs its health
+check again once its workers are gone (node_check.py; a node that fails is not given ranks:
+fitness.py). Exit ends the job as failed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from undying import events as ev
@@ -32,6 +37,43 @@ if TYPE_CHECKING:
     from undying.controller.machine import JobMachine
 
 
+@dataclass
+class CommitDrain:
+    """A job restart's stop orders held while the rank that commits ``step``'s T2 checkpoint (its
+    persister busy with it, as its newest heartbeat said) finishes: every record is in, or it gives up."""
+
+    step: int
+    rank: int
+    why: str  # the restart's fault, for its stop orders
+    started: float
+    until: float
+    outcome: str = ""
+
+    @classmethod
+    def for_restart(cls, job: JobMachine, why: str, now: float) -> CommitDrain | None:
+        """The commit to wait for: of a checkpoint newer than the newest durable one, not failed already."""
+        health, membership = job.persist_health, job.membership
+        for record in membership.ranks.values():
+            step = record.committing
+            if step and step > (health.newest_step or 0) and step not in health.failed_steps \
+                    and record.exitcode is None and membership.node_alive(record.node):
+                return cls(step, record.rank, why, now, now + job.deadlines.commit_drain)
+        return None
+
+    def worker_event(self, event: Event) -> None:
+        if event.step == self.step and event.kind in (ev.CHECKPOINT_SAVE, ev.PERSIST_FAILED) and not self.outcome:
+            self.outcome = "committed" if event.kind == ev.CHECKPOINT_SAVE else "failed"
+
+    def over(self, job: JobMachine, now: float) -> str:
+        """Why the wait is over ("" while it is not)."""
+        record = job.membership.ranks.get(self.rank)
+        if self.outcome:
+            return self.outcome
+        if record is None or record.exitcode is not None or not job.membership.node_alive(record.node):
+            return "its writer is gone"
+        return "timed out" if now > self.until else ""
+
+
 def begin_job_restart(job: JobMachine, why: str, now: float, count: bool = True) -> None:
     """Stop every worker; the next generation starts once they are gone and every node is back."""
     if count:
@@ -40,8 +82,17 @@ def begin_job_restart(job: JobMachine, why: str, now: float, count: bool = True)
     job.recovery = None
     job.abort_generation = job.generation
     job.emit(ev.RESTART_BEGIN, generation=job.generation, details={"restart_count": job.restart_count, "fault": why})
-    job.order_all(Order(kind=OrderKind.STOP, generation=job.generation, reason=why))
+    job.commit_drain = CommitDrain.for_restart(job, why, now)
     job.transition(JobState.STOPPING)
+    if job.commit_drain is None:
+        stop_workers(job, why, now)
+
+
+def stop_workers(job: JobMachine, why: str, now: float) -> None:
+    """Order every agent to stop its workers; each checks its node again once they are gone."""
+    job.order_all(Order(kind=OrderKind.STOP, generation=job.generation, reason=why))
+    for node in job.membership.nodes.values():
+        node.check_due = node.alive and not node.standby and job.spec.node_check
     job.state_deadline = now + job.deadlines.stop
 
 
@@ -78,9 +129,18 @@ class JobRestart:
 
     def progress(self, job: JobMachine, now: float) -> None:
         membership = job.membership
-        if job.state is JobState.STOPPING:
+        drain = job.commit_drain
+        if job.state is JobState.STOPPING and drain is not None:
+            outcome = drain.over(job, now)
+            if outcome:
+                job.emit(ev.COMMIT_DRAIN, rank=drain.rank, step=drain.step, generation=job.generation,
+                         details={"outcome": outcome, "seconds": round(now - drain.started, 3)})
+                job.commit_drain = None
+                stop_workers(job, drain.why, now)
+        elif job.state is JobState.STOPPING:
             still_running = [n.node for n in membership.nodes.values() if n.alive and n.running_workers()]
-            if not still_running or now > job.state_deadline:
+            checking = [n.node for n in membership.nodes.values() if n.alive and n.check_due]
+            if (not still_running and not checking) or now > job.state_deadline:
                 job.transition(JobState.RESTARTING)
                 job.state_deadline = now + job.deadlines.node_return
         elif job.state is JobState.RESTARTING:
@@ -98,7 +158,7 @@ class JobRestart:
         return None
 
     def deadline(self, deadlines: Deadlines) -> float:
-        return deadlines.stop + deadlines.node_return
+        return deadlines.commit_drain + deadlines.stop + deadlines.node_return
 
     def fallback(self, tried: frozenset[StrategyName]) -> frozenset[StrategyName]:
         return tried | {self.name}
