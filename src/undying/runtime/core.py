@@ -296,7 +296,9 @@ class Runtime:
                 first = True
 
     def finish(self, result: dict[str, Any] | None = None) -> None:
-        """End of training: rank 0 writes RUN_DIR/result.json; every rank says it is done."""
+        """End of training: rank 0 writes RUN_DIR/result.json; every rank says it is done (with the
+        digests of its state, ``state_digests: true``)."""
+        digests = self.state.digests() if self.spec.state_digests else {}
         self.checkpoints.close()  # the last checkpoint is committed before the job may end
         self.membership.close()  # torch.distributed's default group, destroyed the ordinary way
         if self.is_main:
@@ -312,7 +314,7 @@ class Runtime:
             os.replace(tmp, path)
         self.finished = True
         self.reporter.update(phase=Phase.DONE)
-        self.reporter.emit(ev.WORKER_DONE, step=self.state.committed_step)
+        self.reporter.emit(ev.WORKER_DONE, step=self.state.committed_step, **digests)
         self.reporter.close()
         # Interpreter shutdown otherwise spends seconds in a final GC over torch's object graph
         # (measured: ~3 s per worker on these machines); nothing left is garbage worth that.
