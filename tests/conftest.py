@@ -30,7 +30,12 @@ BASE_ARGS = ["--nnodes", "2", "--nproc-per-node", "2", "--monitor-interval", "0.
              # Workers are forked from each node's warm standby (the default); the tests of plain
              # `python` workers set warm_standby=false.
              # Every committed step's sample indices, per rank: exactly-once checks read them.
-             "--set", "sample_log=true"]
+             "--set", "sample_log=true",
+             # Every rank's digests of its parameters, optimizer state and RNG at the end, in its
+             # worker_done event: assert_ends_bitwise compares every rank, not rank 0 alone.
+             "--set", "state_digests=true"]
+# What assert_ends_bitwise compares of each rank by default (``rng_sha256`` on request).
+RANK_DIGESTS = ("params_sha256", "optimizer_sha256")
 
 
 @dataclass
@@ -62,11 +67,36 @@ class JobRun:
                 by_step.setdefault(record["step"], []).append(record)
         return by_step
 
+    def rank_digests(self) -> dict[int, dict[str, str]]:
+        """Each rank's digests of its state at the end of the run (``state_digests: true``): from its
+        last ``worker_done`` event (a job restart's ranks finish once more, after the first ones)."""
+        digests: dict[int, dict[str, str]] = {}
+        from undying import events as ev
+
+        for event in self.kinds(ev.WORKER_DONE):
+            if "params_sha256" in event.details:
+                digests[event.rank] = {key: value for key, value in event.details.items() if key.endswith("_sha256")}
+        return digests
+
     def logs(self) -> str:
         parts = []
         for log in sorted((self.run_dir / "logs").glob("*.log")):
             parts.append(f"===== {log.name}\n{log.read_text()[-3000:]}")
         return "\n".join(parts)
+
+
+def assert_ends_bitwise(run: JobRun, reference: JobRun, story: str = "", rng: bool = False) -> None:
+    """``run`` ended where the fault-free ``reference`` ended, bit for bit, on every rank: rank 0's
+    whole parameters (``param_sha256`` in result.json) and each rank's own parameters and optimizer
+    state (its shards in a sharded job), and with ``rng`` its torch RNG state, as their digests say."""
+    context = story or run.output + run.logs()
+    assert run.result["param_sha256"] == reference.result["param_sha256"], context
+    ours, theirs = run.rank_digests(), reference.rank_digests()
+    assert theirs, f"the reference run {reference.run_dir} has no per-rank digests (state_digests: true)"
+    assert sorted(ours) == sorted(theirs), f"ranks that finished: {sorted(ours)}, in the reference: {sorted(theirs)}"
+    keys = (*RANK_DIGESTS, "rng_sha256") if rng else RANK_DIGESTS
+    differ = [(rank, key) for rank in sorted(theirs) for key in keys if ours[rank].get(key) != theirs[rank][key]]
+    assert not differ, f"these ranks' state differs from the fault-free run's: {differ}\n{context}"
 
 
 def processes_with_mark(mark: str) -> list[int]:

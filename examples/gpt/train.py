@@ -39,6 +39,10 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0,
                         help="seconds to sleep in each step: stretches a run (tests) without changing its numbers")
     parser.add_argument("--final-state", default=None, help="rank 0 saves the final parameters here (tests)")
+    parser.add_argument("--final-optimizer-state", default=None,
+                        help="rank 0 saves the final optimizer state here, by parameter name (tests)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="DDP's bucket_cap_mb: smaller buckets, more all-reduces per step (tests)")
     parser.add_argument("--mesh", default=None, metavar="RxS",
                         help="shard the model with FSDP2 over a (replicate R, shard S) mesh, e.g. 2x2 (HSDP)")
     parser.add_argument("--keep-unsharded", action="store_true",
@@ -61,7 +65,9 @@ def main() -> None:
         dropout=args.dropout,
     )
     model = GPT(config).to(ft.device)
-    model = ft.wrap_model(sharded(model, ft, args.mesh, not args.keep_unsharded) if args.mesh else model)
+    ddp_options = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+    model = ft.wrap_model(sharded(model, ft, args.mesh, not args.keep_unsharded) if args.mesh else model,
+                          **ddp_options)
     opt = ft.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
     loader = ft.dataloader(dataset, batch_size=args.batch_size, seed=args.seed)
 
@@ -88,6 +94,10 @@ def main() -> None:
         final = full_state(model.module)  # every rank: gathering a sharded model is a collective
         if ft.is_main:
             torch.save(final, args.final_state)
+    if args.final_optimizer_state:
+        final = full_optimizer_state(model.module, opt)
+        if ft.is_main:
+            torch.save(final, args.final_optimizer_state)
     ft.finish(result={"final_loss": last_loss, "param_sha256": undying.param_sha256(model.module)})
 
 
@@ -108,6 +118,15 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's state_dict with sharded tensors gathered whole."""
     return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
             for name, value in module.state_dict().items()}
+
+
+def full_optimizer_state(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's state by parameter name and key (``transformer.wte.weight.exp_avg``), sharded
+    tensors gathered whole: comparable across meshes."""
+    # In the model's parameter order on every rank: gathering a sharded tensor is a collective.
+    return {f"{name}.{key}": value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, param in module.named_parameters()
+            for key, value in sorted(opt.state.get(param, {}).items())}
 
 
 if __name__ == "__main__":

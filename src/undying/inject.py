@@ -26,6 +26,15 @@ handling of the first. ``:at=persist`` fires it in the worker's background persi
 after the shared shard's files are written and before the checkpoint is committed
 (``step=``, if given, is the step being persisted).
 
+Three points lie inside a training step, where the step-commit guarantee is decided:
+``:at=allreduce`` fires in the middle of the gradient averaging (once the step's first gradient
+bucket's all-reduce, or a sharded model's first gradient reduce-scatter, has started and before
+the rest are), ``:at=after_vote`` once every rank has voted for the step and before this rank
+applies it (its peers apply it), and ``:at=optimizer`` inside the wrapped optimizer's ``step()``,
+once it has updated this rank's parameters and optimizer state and before the step is recorded as
+committed (``step=``, if given, is the step in flight). These are claimed when their step starts,
+so that the fault lands at its point with no round trip to the controller in between.
+
 ``:committed=C`` makes the fault wait, at its point, until the checkpoint of step C is committed
 in the job's checkpoint root (at most ``COMMIT_WAIT_S``): a test whose premise is "the fault
 finds step C in storage" then holds however slowly the background persister runs. Its
@@ -46,11 +55,11 @@ from dataclasses import dataclass
 KINDS = {"kill": "rank", "node": "node", "hang": "rank", "raise": "rank", "stall": "rank", "slow": "rank",
          "nan": "rank", "check": "node"}
 SYNTAX = ("KIND:rank=R:step=S (KIND: kill, hang, raise, stall[:seconds=D], slow:...:factor=F, nan[:persistent]) "
-          "or node:node=N:step=S[:down=SECONDS] or check:node=N, optionally :at=recovery|dump|persist and "
-          ":committed=STEP")
+          "or node:node=N:step=S[:down=SECONDS] or check:node=N, optionally "
+          ":at=recovery|dump|persist|allreduce|after_vote|optimizer and :committed=STEP")
 # Kinds carried out by the worker's step loop rather than ``fire`` (the process goes on).
 SLOW, NAN, CHECK = "slow", "nan", "check"
-POINTS = ("step", "recovery", "dump", "persist")
+POINTS = ("step", "recovery", "dump", "persist", "allreduce", "after_vote", "optimizer")
 COMMIT_WAIT_S = 60.0  # the longest a ``committed=`` injection waits for its checkpoint
 
 

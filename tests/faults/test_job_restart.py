@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import STEPS, JobRun, run_job, start_job, wait_no_processes
+from tests.conftest import STEPS, JobRun, assert_ends_bitwise, run_job, start_job, wait_no_processes
 from undying import events as ev
 from undying.shm import job_dir
 
@@ -31,17 +31,20 @@ def assert_recovered_bitwise(run: JobRun, reference: JobRun, *reasons: str, sour
     assert loads and loads[-1].step in steps and loads[-1].details["source"] == source, \
         [(event.step, event.details) for event in loads]
     assert run.result["final_step"] == STEPS
-    assert run.result["param_sha256"] == reference.result["param_sha256"]
+    assert_ends_bitwise(run, reference)
 
 
 def test_fault_free_runs_are_bitwise_identical(reference_run: JobRun, tmp_path: Path) -> None:
     """The same job again, now with every worker a plain ``python`` process (warm_standby=false)
     instead of a fork of its node's warm standby: the same bits, and no fault detected, not even a
-    host taken for frozen (1.4 s of silence at these heartbeat settings)."""
+    host taken for frozen (1.4 s of silence at these heartbeat settings). Every rank's state too,
+    RNG included; and the four data-parallel replicas hold the same parameters and optimizer state."""
     again = run_job(tmp_path, ["--set", "warm_standby=false"])
     assert again.returncode == 0, again.output + again.logs()
     assert again.result["final_step"] == STEPS
-    assert again.result["param_sha256"] == reference_run.result["param_sha256"]
+    assert_ends_bitwise(again, reference_run, rng=True)
+    replicas = {(d["params_sha256"], d["optimizer_sha256"]) for d in reference_run.rank_digests().values()}
+    assert len(replicas) == 1 and len(reference_run.rank_digests()) == 4, reference_run.rank_digests()
     assert not again.kinds(ev.FAULT_DETECTED)
     assert not again.kinds(ev.AGENT_LOST)
 
@@ -91,7 +94,7 @@ def test_a_worker_killed_during_an_overlapped_snapshot_restarts_from_a_complete_
     assert len({event.step for event in loads}) == 1 and loads[0].step in (14, 15), loads
     assert {event.details["source"] for event in loads} == {"memory"}
     assert run.result["final_step"] == STEPS
-    assert run.result["param_sha256"] == reference_run.result["param_sha256"]
+    assert_ends_bitwise(run, reference_run)
 
 
 def test_a_job_restart_right_before_a_t2_commit_keeps_that_checkpoint(reference_run: JobRun, tmp_path: Path) -> None:
@@ -157,7 +160,7 @@ def test_corrupt_newest_checkpoint_is_skipped(reference_run: JobRun, tmp_path: P
     assert corrupt and "step_000000020" in corrupt[0].details["path"]
     loads = [event for event in second.kinds(ev.CHECKPOINT_LOAD) if event.rank == 0]
     assert [event.step for event in loads] == [10]
-    assert second.result["param_sha256"] == reference_run.result["param_sha256"]
+    assert_ends_bitwise(second, reference_run)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

@@ -30,7 +30,16 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import EXAMPLE, MARK_ENV, REPO, STEPS, JobRun, run_job, wait_no_processes
+from tests.conftest import (
+    EXAMPLE,
+    MARK_ENV,
+    REPO,
+    STEPS,
+    JobRun,
+    assert_ends_bitwise,
+    run_job,
+    wait_no_processes,
+)
 from tests.k8s_engines import Action, PodEnd, engine_for
 from undying import events as ev
 from undying.agent import EXIT_NODE_LEFT
@@ -46,7 +55,7 @@ pytestmark = pytest.mark.faults
 # tests/conftest.py's BASE_ARGS as a job.yaml, with pod-level recovery onto a spare.
 JOB_YAML = {"nnodes": 2, "nproc_per_node": 2, "monitor_interval": 0.3, "heartbeat_interval": 0.5,
             "heartbeat_timeout": 4, "node_return_timeout": 60, "comm_timeout": 20, "warm_standby": False,
-            "sample_log": True, "process_recover": True, "pod_rescheduling": "on",
+            "sample_log": True, "state_digests": True, "process_recover": True, "pod_rescheduling": "on",
             "recover_strategy": ["recover-in-place", "recover"]}
 FAULT_AT_STEP = 8
 # Each step sleeps (numbers unchanged, so the 30-step fault-free reference holds) so that the pod
@@ -334,7 +343,7 @@ def test_rendered_pods_train_and_a_killed_pod_is_replaced_by_the_spare_pod(refer
 
     run = JobRun(0, cluster.output(0), cluster.run_dir(0), cluster.mark)
     assert run.result["final_step"] == STEPS
-    assert run.result["param_sha256"] == reference_run.result["param_sha256"]
+    assert_ends_bitwise(run, reference_run)
     [decision] = run.kinds(ev.DECISION)
     assert (decision.details["strategy"], decision.details["lost_ranks"]) == ("recover", [2, 3]), decision.details
     assert not run.kinds(ev.RESTART_BEGIN)
@@ -358,7 +367,7 @@ def test_a_drained_node_pod_is_recreated_and_rejoins_as_a_spare(reference_run: J
     assert cluster.ends[-1] == (0, 0, Action.DONE) and cluster.engine.complete, cluster.ends
 
     run = JobRun(0, cluster.output(0), cluster.run_dir(0), cluster.mark)
-    assert run.result["param_sha256"] == reference_run.result["param_sha256"]
+    assert_ends_bitwise(run, reference_run)
     [lost] = run.kinds(ev.AGENT_LOST)
     assert lost.node == 1 and lost.details["planned"], lost.details
     [decision] = run.kinds(ev.DECISION)
@@ -391,7 +400,7 @@ def test_a_drained_node_0_stops_the_job_and_the_engine_restarts_it_from_the_pers
     loads = [event for event in run.kinds(ev.CHECKPOINT_LOAD) if event.rank == 0]
     assert [(event.step, event.details["source"]) for event in loads] == [(persisted[0], "storage")]
     assert run.result["final_step"] == STEPS
-    assert run.result["param_sha256"] == reference_run.result["param_sha256"]
+    assert_ends_bitwise(run, reference_run)
 
 
 def test_a_pod_refused_at_start_fails_the_job_and_is_not_recreated(pods) -> None:
@@ -419,7 +428,7 @@ def test_an_annotation_turns_process_recovery_on_in_a_real_run(reference_run: Jo
     run = run_job(tmp_path / "run", ["--config", str(job_yaml), "--pod-labels", str(labels),
                                      "--pod-annotations", str(annotations), "--inject", "kill:rank=1:step=12"])
     assert run.returncode == 0, run.output + run.logs()
-    assert run.result["param_sha256"] == reference_run.result["param_sha256"]
+    assert_ends_bitwise(run, reference_run)
     [decision] = run.kinds(ev.DECISION)
     assert decision.details["strategy"] == "recover-in-place", decision.details
     assert not run.kinds(ev.RESTART_BEGIN)

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import undying
-from tests.conftest import REPO, JobRun, run_job
+from tests.conftest import REPO, JobRun, assert_ends_bitwise, run_job
 from undying import events as ev
 
 pytestmark = pytest.mark.faults
@@ -109,7 +109,7 @@ def test_sigkill_exception_hang_and_node_loss_end_bitwise_where_the_fault_free_r
         resumed_reference: JobRun, saved_checkpoint: Path, tmp_path: Path) -> None:
     injections = [argument for step, (fault, _) in FAULTS.items() for argument in ("--inject", f"{fault}:step={step}")]
     run = resumed_run(tmp_path, saved_checkpoint, injections)
-    assert run.result["param_sha256"] == resumed_reference.result["param_sha256"], run.output + run.logs()
+    assert_ends_bitwise(run, resumed_reference)
     assert not run.kinds(ev.RESTART_BEGIN), "every fault is recovered in place of the processes"
     decisions = [(event.step, event.details["strategy"]) for event in run.kinds(ev.DECISION)]
     assert [strategy for _, strategy in decisions] == [strategy for _, strategy in FAULTS.values()], decisions

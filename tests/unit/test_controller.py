@@ -886,6 +886,47 @@ def test_a_spare_agent_holds_no_ranks_and_takes_a_lost_nodes_place(make_job):
     assert job.controller.reserve_spare_id() == 4
 
 
+def test_a_lost_node_gets_one_spare_even_while_the_spare_is_on_its_way(make_job):
+    """Between the spare taking its order and its hello as the node, ticks pass: no second spare is
+    sent for the same node (the chaos soak saw two, the second becoming a spare again at once)."""
+    job = make_job(**RECOVERY)
+    for spare in (2, 3):
+        assert job.controller.hello(AgentHello(spare, 1000 + spare, f"spare{spare}", 2, standby=True)).accepted
+    job.start_running()
+    for rank in range(4):
+        job.beat(rank, 7)
+    job.controller.report_agent_exit(1, -9)
+    assert job.next_order(2).kind == OrderKind.ADOPT
+    orders = set()
+    for _ in range(10):  # a second passes; the spare has not said hello as node 1 yet
+        job.poll(0, 1, job.statuses(0, 1), wait=0.05)
+        orders.add(job.poll(3, wait=0.05).kind)
+        job.advance(0.1)
+    assert OrderKind.ADOPT not in orders
+    assert [event.details["spare"] for event in job.events(ev.STANDBY_ADOPT)] == [2]
+    assert job.controller.hello(AgentHello(1, 1002, "spare2", 2)).accepted
+    assert "2" not in job.controller.status()["nodes"] and job.controller.status()["nodes"]["3"]["standby"]
+
+
+def test_a_spare_whose_id_a_connected_agent_holds_joins_under_a_new_one(make_job):
+    """Two live spares with one id (the id given to a returning node's agent, then a new spare pod
+    started with it): the second gets a new id instead of the two evicting each other at every hello
+    (seen in the chaos soak: ``agent said hello again`` without end). A spare whose agent restarted,
+    its old connection closed, takes its id back."""
+    job = make_job(**RECOVERY)
+    assert job.controller.hello(AgentHello(2, 1002, "spare", 2, standby=True)).accepted
+    job.start_running()
+    second = job.controller.hello(AgentHello(2, 2002, "spare-b", 2, standby=True))
+    assert second.accepted and second.node == 3
+    nodes = job.controller.status()["nodes"]
+    assert nodes["2"]["pid"] == 1002 and nodes["2"]["alive"] and nodes["3"]["pid"] == 2002
+    assert not job.events(ev.AGENT_LOST)
+    job.controller.agent_disconnected(3, 2002)  # its agent died; a new one comes with its id
+    again = job.controller.hello(AgentHello(3, 3003, "spare-b", 2, standby=True))
+    assert again.accepted and again.node == -1  # -1: keep the id it asked for
+    assert job.controller.status()["nodes"]["3"]["pid"] == 3003
+
+
 def test_losing_an_idle_spare_is_not_a_fault(make_job):
     job = make_job(**RECOVERY)
     assert job.controller.hello(AgentHello(2, 1002, "spare", 2, standby=True)).accepted

@@ -29,6 +29,10 @@ from undying.inject import (
         ("node:node=1:step=15:committed=10", Injection(0, "node", 15, node=1, committed=10)),
         ("kill:rank=0:at=recovery:committed=0", Injection(0, "kill", None, rank=0, at="recovery", committed=0)),
         ("  kill:rank=1:step=5\n", Injection(0, "kill", 5, rank=1)),
+        ("kill:rank=2:step=4:at=allreduce", Injection(0, "kill", 4, rank=2, at="allreduce")),
+        ("hang:rank=0:at=after_vote", Injection(0, "hang", None, rank=0, at="after_vote")),
+        ("raise:rank=1:step=9:at=optimizer", Injection(0, "raise", 9, rank=1, at="optimizer")),
+        ("node:node=1:step=7:at=after_vote", Injection(0, "node", 7, node=1, at="after_vote")),
     ],
 )
 def test_parse_each_kind(text, expected):
@@ -88,6 +92,8 @@ def test_decode_of_nothing_is_no_injections():
         "kill:rank=0:step=1:committed=1:committed=2",
         "kill: rank=0:step=1",
         "kill:rank=0\n:step=1",
+        "kill:rank=0:step=1:at=backward",
+        "kill:rank=0:step=1:at=after_vote:at=optimizer",
     ],
 )
 def test_every_bad_spec_is_a_one_line_error_naming_the_syntax(text):
@@ -226,3 +232,27 @@ def test_a_check_injection_fires_in_no_worker_and_may_aim_at_a_spare():
     check = parse_injection("check:node=2")
     assert not check.targets(rank=0, node=2, local_rank=0, step=0)
     check_targets([check], world_size=4, nnodes=2)  # node 2: a spare's id
+
+
+def test_in_step_points_fire_only_where_they_are_aimed():
+    """An ``at=after_vote`` injection is claimed (its event sent) at the start of its step and fires
+    at that point of it, on its rank, and nowhere else; ``aims_at`` tells the runtime which points'
+    hooks to install in this worker."""
+    from undying.runtime.injection_points import AFTER_VOTE, ALLREDUCE, OPTIMIZER, InjectionPoints
+
+    reporter = _Reporter()
+    aimed = [parse_injection("raise:rank=1:step=6:at=after_vote", 0),
+             parse_injection("kill:rank=2:at=optimizer", 1)]
+    points = InjectionPoints(aimed, reporter, 1, 0, 1, lambda step: True)
+    assert points.aims_at(AFTER_VOTE) and not points.aims_at(OPTIMIZER) and not points.aims_at(ALLREDUCE)
+    points.at_step_start(5)
+    points.at_point(AFTER_VOTE, 5)
+    assert reporter.events == []
+    points.at_step_start(6)
+    assert reporter.events == [("injection", 6, {"spec": "raise:rank=1:step=6:at=after_vote"})]
+    points.in_step_body(6)
+    points.at_point(ALLREDUCE, 6)
+    with pytest.raises(InjectedFault, match="at=after_vote"):
+        points.at_point(AFTER_VOTE, 6)
+    points.at_point(AFTER_VOTE, 6)  # once
+    assert InjectionPoints(aimed, reporter, 2, 1, 0, lambda step: True).aims_at(OPTIMIZER)

@@ -176,6 +176,10 @@ class JobSpec(BaseModel):
     elastic_batch: Literal["accumulate", "grow"] = "grow"
     # Every rank appends the sample indices of each committed step to RUN_DIR/samples/ (audits, tests).
     sample_log: bool = False
+    # At the end (ft.finish) every rank's worker_done event carries SHA-256 digests of its parameters
+    # and buffers, its optimizer state (its own shards in a sharded job) and its torch RNG state, so
+    # that every rank of two runs can be compared (tests, audits; costs one pass over the state).
+    state_digests: bool = False
     # Fixed reduction orders on GPU (torch deterministic algorithms, cuDNN without autotuning, a fixed
     # cuBLAS workspace, NCCL Ring/Simple on a fixed channel count, no NVLS), at a cost in speed; a user
     # op without a deterministic kernel then raises. Off: replays are bitwise equal on CPU/gloo only.

@@ -153,6 +153,18 @@ class JobMachine:
         if not hello.standby and previous is not None and previous.alive and hello.node in self.membership.adopted_by \
                 and previous.pid != hello.pid:
             return self._returned_as_spare(hello, now)
+        if hello.standby and previous is not None and previous.alive and previous.pid != hello.pid \
+                and previous.disconnected_since is None:
+            # Another agent, still connected, holds this id (one the controller gave a returning node's
+            # agent, or a spare started twice with one id): a spare's id is only a label, so this one
+            # gets a new one, rather than the two taking it from each other at every hello. (A spare
+            # whose agent restarted finds its old connection closed: it takes its id back below.)
+            return self._returned_as_spare(hello, now)
+        if not hello.standby:
+            # The node is back (as a rule the spare ordered to take its place, saying hello as the node):
+            # the spare's record, kept so that no second spare was sent for the node meanwhile, goes.
+            for spare in [n for n in nodes.values() if n.standby and n.adopting == hello.node]:
+                del nodes[spare.node]
         if previous is not None and previous.alive:
             # A node's agent came back before anyone saw it go: its workers are gone all the same.
             self.lose_node(previous, "agent said hello again (restarted)", now, kill=False)
@@ -165,12 +177,14 @@ class JobMachine:
 
     def _returned_as_spare(self, hello: AgentHello, now: float) -> HelloReply:
         """A node's agent is back while the spare that adopted its place serves its ranks: it
-        joins as a spare (it holds no ranks: its workers were replaced), not as the node again."""
+        joins as a spare (it holds no ranks: its workers were replaced), not as the node again. Also
+        a spare whose id a live agent holds: it joins under a new one."""
         spare_id = self.membership.reserve_spare_id()
         self.membership.nodes[spare_id] = NodeRecord(spare_id, hello.pid, hello.hostname, now, standby=True)
+        where = {"asked_for": hello.node} if hello.standby else {
+            "returned_node": hello.node, "served_by": self.membership.adopted_by[hello.node]}
         self.emit(ev.AGENT_REGISTERED, node=spare_id, details={
-            "pid": hello.pid, "host": hello.hostname, "standby": True, "returned_node": hello.node,
-            "served_by": self.membership.adopted_by[hello.node]})
+            "pid": hello.pid, "host": hello.hostname, "standby": True, **where})
         return HelloReply(self.job_id, self.store_port, node=spare_id)
 
     def agent_report(self, now: float, poll: AgentPoll) -> NodeRecord | None:
@@ -202,8 +216,8 @@ class JobMachine:
         order = node.orders.popleft() if node.orders else Order()
         if order.kind == OrderKind.EXIT:
             node.exit_delivered = True
-        if order.kind == OrderKind.ADOPT and self.membership.nodes.get(node.node) is node:
-            del self.membership.nodes[node.node]  # it says hello again as the node it adopts
+        # An ADOPT order: the spare says hello again as the node it adopts; its record stays (adopting
+        # that node) until then, so that the node is not given a second spare meanwhile.
         return order
 
     def agent_leaving(self, now: float, leave: AgentLeave) -> bool:

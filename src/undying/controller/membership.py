@@ -140,7 +140,7 @@ class Membership:
                      if n.standby and n.alive and n.adopting is None and not n.unfit), None)
 
     def being_adopted(self, node: int) -> bool:
-        return any(n.adopting == node for n in self.nodes.values())
+        return any(n.adopting == node and n.alive for n in self.nodes.values())
 
     def committed_step(self) -> int:
         # A rank restored by a failover knows no step until it beats here (one that died with the

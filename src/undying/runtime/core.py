@@ -35,7 +35,7 @@ from undying.runtime.carried_batches import DrawLedger
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.ddp_options import parse_ddp_options
 from undying.runtime.devices import choose_backend, choose_device, set_numerics_mode
-from undying.runtime.injection_points import InjectionPoints
+from undying.runtime.injection_points import ALLREDUCE, OPTIMIZER, InjectionPoints
 from undying.runtime.loaders import build_loader
 from undying.runtime.loop_start import agree_on_start, print_rerun_line, start_from_script_checkpoint
 from undying.runtime.membership import Membership
@@ -159,6 +159,7 @@ class Runtime:
         mesh = make_mesh(self.rank, self.world_size, replicate, shard, list(self.spec.recover_strategy),
                          self.backend, self.device, t1_snapshots=self.spec.checkpoint.snapshot_interval != 0,
                          peer_copies=self.checkpoints.peer.copies_for(replicate))
+        mesh.on_gradient_reduction(self._in_gradient_sync)
         self.membership.attach_mesh(mesh)
         self.reporter.mesh_shard = mesh.shard
         self.reporter.beat_now()
@@ -188,7 +189,8 @@ class Runtime:
         wrapped = FixedLayoutDDP(model.to(self.device), self.membership.current_group, self.device,
                                  broadcast=not self.joining, ready_to_sync=self.transaction.batches_taken,
                                  set_phase=self.transaction.set_phase, options=options,
-                                 before_extra_round=self.transaction.agree_to_continue)
+                                 before_extra_round=self.transaction.agree_to_continue,
+                                 in_gradient_sync=self._in_gradient_sync)
         # Which bucket layout the job is at is job state: handed to a replacement, checkpointed, rolled back.
         self.state.register(f"ddp.{len(self.state.models)}.bucket_order", wrapped.bucket_order)
         self.state.models.append(wrapped)
@@ -202,6 +204,10 @@ class Runtime:
         refuse_zero_redundancy(optimizer)
         wrapped = CommitOptimizer(optimizer, self.transaction.commit, self.transaction.set_phase,
                                   self.transaction.fire_raise_injections, self.checkpoints.settle)
+        if self.injections.aims_at(OPTIMIZER):
+            # Inside the optimizer's own step(), its update done (torch runs post-hooks within step()).
+            optimizer.register_step_post_hook(
+                lambda _optimizer, _args, _kwargs: self.injections.at_point(OPTIMIZER, self.state.committed_step))
         self.state.optimizers.append(wrapped)
         return wrapped
 
@@ -313,7 +319,9 @@ class Runtime:
                 first = True
 
     def finish(self, result: dict[str, Any] | None = None) -> None:
-        """End of training: rank 0 writes RUN_DIR/result.json; every rank says it is done."""
+        """End of training: rank 0 writes RUN_DIR/result.json; every rank says it is done (with the
+        digests of its state, ``state_digests: true``)."""
+        digests = self.state.digests() if self.spec.state_digests else {}
         self.checkpoints.close()  # the last checkpoint is committed before the job may end
         self.membership.close()  # torch.distributed's default group, destroyed the ordinary way
         if self.is_main:
@@ -329,7 +337,7 @@ class Runtime:
             os.replace(tmp, path)
         self.finished = True
         self.reporter.update(phase=Phase.DONE)
-        self.reporter.emit(ev.WORKER_DONE, step=self.state.committed_step)
+        self.reporter.emit(ev.WORKER_DONE, step=self.state.committed_step, **digests)
         self.reporter.close()
         # Interpreter shutdown otherwise spends seconds in a final GC over torch's object graph
         # (measured: ~3 s per worker on these machines); nothing left is garbage worth that.
@@ -378,8 +386,18 @@ class Runtime:
             if torch.is_grad_enabled():
                 self.draws.forward()
 
+        def training_forward_done(_module: torch.nn.Module, _args: Any, _output: Any) -> None:
+            if torch.is_grad_enabled():
+                self.transaction.forward_done()
+
         model.register_forward_pre_hook(training_forward)
+        model.register_forward_hook(training_forward_done)
         model.register_forward_hook(self.transaction.poison_output)
+
+    def _in_gradient_sync(self) -> None:
+        """The step's gradient averaging is under way (a bucket's all-reduce or FSDP's reduce-scatter
+        started): an ``at=allreduce`` injection fires here."""
+        self.injections.at_point(ALLREDUCE, self.state.committed_step)
 
     def _mark_commit_boundary(self) -> None:
         """Remember what a rollback to this committed step needs, and mirror its RNG state where a

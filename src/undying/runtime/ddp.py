@@ -79,7 +79,8 @@ class FixedLayoutDDP(torch.nn.Module):
                  ready_to_sync: Callable[[], bool] = lambda: True,
                  set_phase: Callable[[str], None] = lambda _phase: None,
                  options: DDPOptions | None = None,
-                 before_extra_round: Callable[[], bool] = lambda: True) -> None:
+                 before_extra_round: Callable[[], bool] = lambda: True,
+                 in_gradient_sync: Callable[[], None] = lambda: None) -> None:
         super().__init__()
         if isinstance(module, (FixedLayoutDDP, torch.nn.parallel.DistributedDataParallel)):
             raise ValueError(f"ft.wrap_model: the model is already wrapped by {type(module).__name__}; "
@@ -95,6 +96,7 @@ class FixedLayoutDDP(torch.nn.Module):
         self._device = device
         self._ready_to_sync = ready_to_sync
         self._before_extra_round = before_extra_round
+        self._in_gradient_sync = in_gradient_sync  # each round, once its first bucket is in flight (injection)
         # Waiting for peers is `syncing` to the controller: a rank `computing` for step_timeout with
         # no progress is taken for stalled, and the one stalled is the peer, not the waiting rank.
         self._set_phase = set_phase
@@ -315,6 +317,9 @@ class FixedLayoutDDP(torch.nn.Module):
         except CollectiveError as error:
             self._failure = error.retold()
             self._pending.append((bucket, None))
+            return
+        if len(self._pending) == 1:
+            self._in_gradient_sync()
 
     def _complete(self) -> None:
         """Launch the buckets not yet launched (parameters unused in this backward), wait for every

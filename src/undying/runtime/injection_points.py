@@ -1,4 +1,6 @@
-"""Where this worker's injected faults fire: a training step, a recovery phase, or the persister.
+"""Where this worker's injected faults fire: a training step (its start, or inside it: the gradient
+all-reduce, between the commit vote and the update, the optimizer's update), a recovery phase, or
+the persister.
 
 Runs in the worker. Each injection fires at most once per job: before firing, the worker claims
 it from the controller and logs it (an ``injection`` event), so the log shows the cause before the
@@ -19,6 +21,10 @@ STEP = "step"  # the start of a training step (or, for ``raise``, inside its bod
 RECOVERY = "recovery"  # while regrouping after a fault
 DUMP = "dump"  # while writing the dying checkpoint
 PERSIST = "persist"  # in the background persister, mid-write
+ALLREDUCE = "allreduce"  # mid gradient averaging: the step's first bucket (or reduce-scatter) started
+AFTER_VOTE = "after_vote"  # every rank voted for the step; this rank has not applied it yet
+OPTIMIZER = "optimizer"  # inside the optimizer's step(): updated, not yet recorded as committed
+IN_STEP = (ALLREDUCE, AFTER_VOTE, OPTIMIZER)
 RAISE = "raise"  # the injection kind raised inside the step body instead of at its start
 STEP_LOOP_KINDS = (RAISE, SLOW, NAN)  # carried out by the step loop, not fired at a step's start
 
@@ -35,10 +41,17 @@ class InjectionPoints:
         self._rank = rank
         self._node = node
         self._local_rank = local_rank
+        # In-step injections claimed at the start of their step, to fire at their point with no round
+        # trip to the controller in between: the fault lands as close to the point as a real one would
+        # (after the vote, a claim's milliseconds would let the rank's RNG mirror write finish first).
+        self._armed: list[Injection] = []
         self._slow = 1.0  # a claimed ``slow``: every step of this process from then on takes this many times
         self._poisoning: set[int] = set()  # claimed persistent ``nan`` injections (their step stays NaN)
 
     def at_step_start(self, step: int) -> None:
+        for injection in self.injections:
+            if injection.at in IN_STEP and injection not in self._armed and self._claim(injection, step):
+                self._armed.append(injection)
         for injection in self.injections:
             if injection.kind not in STEP_LOOP_KINDS and injection.at == STEP and self._claim(injection, step):
                 fire(injection)
@@ -72,10 +85,24 @@ class InjectionPoints:
                 fire(injection)
 
     def at_point(self, point: str, step: int) -> None:
-        """Faults aimed at a recovery phase (``RECOVERY``, ``DUMP``) rather than a training step."""
+        """Faults aimed at a point inside the training step (``IN_STEP``: armed at its start, also for
+        a replay of it) or at a recovery phase (``RECOVERY``, ``DUMP``)."""
+        if point in IN_STEP:
+            for injection in list(self._armed):
+                if injection.at == point and injection.step in (None, step):
+                    self._armed.remove(injection)
+                    fire(injection)
+            return
         for injection in self.injections:
             if injection.at == point and self._claim(injection, step):
                 fire(injection)
+
+    def aims_at(self, point: str) -> bool:
+        """Is an injection at ``point`` aimed at this worker (at any step)? A hook that fires it is
+        then worth installing."""
+        return any(injection.at == point and injection.targets(self._rank, self._node, self._local_rank,
+                                                               injection.step or 0)
+                   for injection in self.injections)
 
     def persist_fault(self, step: int) -> Callable[[], None] | None:
         """An ``at=persist`` injection aimed at ``step``, claimed now (the persister thread must not

@@ -94,6 +94,8 @@ class SwappableGroup(dist.ProcessGroup):
         self.members = members
         self._rank = rank
         self.dim: MeshDimGroup | None = None
+        # Called once a gradient reduce-scatter is in flight (fault injection's ``at=allreduce``).
+        self.reduction_started: Callable[[], None] = lambda: None
 
     @property
     def group_name(self) -> GroupName:
@@ -123,6 +125,8 @@ class SwappableGroup(dist.ProcessGroup):
             work = getattr(dim.group, op)(*args)
         except Exception as error:
             raise CollectiveError(op, self.rank(), dim.generation, error) from None
+        if "reduce_scatter" in op:  # FSDP2 reduces gradients, and only gradients, by reduce-scatter
+            self.reduction_started()
         return BoundedWork(work, self, dim, op)
 
 
@@ -172,6 +176,12 @@ class SwappableMesh:
         for group in self.groups:
             mesh._pg_registry[group.group_name] = group
         return mesh
+
+    def on_gradient_reduction(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever a gradient reduce-scatter of FSDP's has been started (the
+        runtime's ``at=allreduce`` injection point)."""
+        for group in self.groups:
+            group.reduction_started = callback
 
     def replica_peers(self, rank: int) -> list[int]:
         """The ranks that hold ``rank``'s shard (itself included), replica by replica."""

@@ -3,10 +3,11 @@
 Runs in the worker. At every commit boundary (and just before each vote) a rank writes
 its encoded RNG state for that step to the job's store, keeping the last few steps; while an
 elastic job is shrunk, also the streams of the batch slots it covers for other ranks, each under
-that rank's key (runtime/slot_rng.py), and its own only while it covers its own slot. The vote's
-write runs on the mirror's own thread while the gradients are synced and the vote counted
-(``start_write_rng``), and the step is applied only once it is done (``wait``): the store's round
-trip overlaps the all-reduce instead of adding to every step. The
+that rank's key (runtime/slot_rng.py), and its own only while it covers its own slot. The next
+step's state is written on the mirror's own thread (``start_write_rng``) from the moment the step's
+last forward ends, so the store's round trip overlaps the backward pass, and the rank votes for the
+step only once it is stored (``wait``): a rank lost right after the vote, whose peers apply the
+step, is replaced with its RNG as of that step (runtime/step_transaction.py). The
 store lives in the controller's process; in a failover job (``--etcd``) the controller's
 node may die with it, so the rank also writes to a *backup store* (another node's
 controller candidate, named in heartbeat replies). Reading tries the current store,

@@ -25,7 +25,7 @@ from undying.log_tail import exception_tail
 from undying.protocol import Phase
 from undying.runtime.carried_batches import CarriedBatchError
 from undying.runtime.ddp import FixedLayoutDDP, commit_vote, commit_vote_with_sums
-from undying.runtime.injection_points import InjectionPoints
+from undying.runtime.injection_points import AFTER_VOTE, InjectionPoints
 from undying.runtime.membership import Membership
 from undying.runtime.peer_copies import PeerCopies
 from undying.runtime.pg import CollectiveError
@@ -71,6 +71,7 @@ class StepTransaction:
         self._poisoned = False  # an injected ``nan``: this attempt's model outputs are NaN
         if spec.loss_spike_factor is not None:
             state.register("undying.recent_losses", self.check.recent)  # job state: every rank holds it alike
+        self.rng_sent = False  # this step's RNG mirror write has started (forward_done)
 
     def begin(self, step: int) -> None:
         self.failure = None
@@ -80,6 +81,7 @@ class StepTransaction:
         self.updated = False
         self.timer.begin()
         self.check.begin_step()
+        self.rng_sent = False
         for loader in self.state.loaders:
             loader.begin_step()
         for model in self.state.models:
@@ -121,6 +123,14 @@ class StepTransaction:
         """Has this step taken all its micro-batches? Then its next backward averages the gradients."""
         return not any(loader.step_incomplete() for loader in self.state.loaders)
 
+    def forward_done(self) -> None:
+        """After a training forward: once the step has taken its last micro-batch, start mirroring the
+        RNG state the next step starts from (the forward drew its random numbers), so that the store's
+        round trip overlaps the backward pass; the commit writes it again only if it moved since."""
+        if not self.rng_sent and not self.voted and self.batches_taken():
+            self.rng_sent = True
+            self.rng_mirror.start_write_rng(self.state.committed_step + 1, self.state.rng_to_mirror())
+
     def fire_raise_injections(self) -> None:
         """Called by opt.step(): a ``raise`` injection fires inside the step body even unguarded."""
         self.injections.in_step_body(self.state.committed_step)
@@ -139,8 +149,9 @@ class StepTransaction:
         self.voted = True
         self.set_phase(Phase.SYNCING)
         if vote_ok:
-            # The RNG state a replay of the next step starts from, mirrored before the step is applied;
-            # the store's round trip runs beside the gradient sync and the vote.
+            # The RNG state a replay of the next step starts from is in the mirror before this rank
+            # votes yes: a rank lost after the vote (its peers apply the step) is replaced with it. The
+            # write began when the step's last forward ended (forward_done); again only if it moved.
             self.rng_mirror.start_write_rng(self.state.committed_step + 1, self.state.rng_to_mirror())
         try:
             # Averaged during backward as a rule; here only what a backward did not (no backward,
@@ -148,6 +159,7 @@ class StepTransaction:
             for model in self.state.models:
                 model.sync_gradients()
             self.set_phase(Phase.SYNCING)
+            self.rng_mirror.wait()
             all_ok, sums = self._buffers_and_vote(vote_ok, final=True)
         except CollectiveError as error:
             self.fail(f"gradient all-reduce failed: {error}")
@@ -162,6 +174,7 @@ class StepTransaction:
             return False
         if checked:
             self.check.committed(checked)
+        self.injections.at_point(AFTER_VOTE, self.state.committed_step)
         if sums and self.peer_copies is not None:
             self.peer_copies.vote_result(sums, self.membership.current_group().world_size)
         # The fence: a rank silent for long enough to have been given up (a frozen host, woken) asks
@@ -173,7 +186,6 @@ class StepTransaction:
                 and self.membership.aborted():
             self.fail("the controller aborted this generation while this rank was silent")
             return False
-        self.rng_mirror.wait()
         self.updated = True
         return True
 
@@ -216,7 +228,8 @@ class StepTransaction:
         the controller aborted the generation, told within ABORT_GRACE_S): a user collective that
         fails because a peer died is a symptom of that fault, and the recovery re-runs the step.
         A collective of a sharded model that failed counts as the first kind.
-        Else, with ``retry``, an exception of the step's own (this rank votes no, nobody applies it).
+        Else, with ``retry``, an exception of the step's own (this rank votes no, nobody applies it; a
+        sharded model's rank leaves the generation instead, its peers being maybe in FSDP's collectives).
         Never a batch carried into the step (runtime/carried_batches.py): every re-run would meet it."""
         if error is None or not isinstance(error, Exception) or self.updated or isinstance(error, CarriedBatchError):
             return False
@@ -230,7 +243,13 @@ class StepTransaction:
         if self.failure is None and not self.membership.aborted():
             self.raised = exception_tail(error)  # the step's cause, not a symptom of a fault elsewhere
         self.fail(f"exception in step: {error!r}")
-        if not self.voted:
+        if not self.voted and self.state.sharded:
+            # FSDP's own collectives of the step (all-gathers, reduce-scatters) may still be ahead of the
+            # peers, which a vote could not pair with: leave the generation, so their collectives fail
+            # at once (or at the controller's abort) instead of at comm_timeout.
+            self.voted = True
+            self.membership.leave_group()
+        elif not self.voted:
             # Vote no in the all-reduce the other ranks are waiting in, so nobody applies this step.
             self.commit(vote_ok=False)
         return True

@@ -15,7 +15,7 @@ import torch
 from undying.data import ACCUMULATE, ResumableLoader, replica_slots
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.optim import CommitOptimizer, search_loop_state
-from undying.runtime.rng import capture_rng, restore_rng
+from undying.runtime.rng import CUDA_KEY, capture_rng, restore_rng
 from undying.runtime.sharded import (
     ShardedModel,
     load_local_optimizer_state,
@@ -24,6 +24,7 @@ from undying.runtime.sharded import (
     local_tensors,
 )
 from undying.runtime.slot_rng import RngState, SlotStreams
+from undying.utils import tree_sha256
 
 if TYPE_CHECKING:
     from undying.runtime.membership import Membership
@@ -257,6 +258,17 @@ class TrainingState:
         for name, stateful_state in states.items():
             if name in self.statefuls:
                 self.statefuls[name].load_state_dict(stateful_state)
+
+    def digests(self) -> dict[str, str]:
+        """SHA-256 digests of what this rank holds now (``state_digests: true``, at the end of a run):
+        its models' parameters and buffers, its optimizers' state (a sharded model's: this rank's
+        shards, no collective) and its torch RNG (and own CUDA device's) state."""
+        models = [local_tensors(model.module) if isinstance(model, ShardedModel) else model.module.state_dict()
+                  for model in self.models]
+        rng = capture_rng()
+        return {"params_sha256": tree_sha256(models),
+                "optimizer_sha256": tree_sha256([optimizer.state_dict() for optimizer in self.optimizers]),
+                "rng_sha256": tree_sha256({key: rng[key] for key in ("torch", CUDA_KEY) if key in rng})}
 
     # ------------------------------------------------------------- elastic membership
 
