@@ -34,14 +34,14 @@ POD_LEVEL = {"process_recover": True, "recover_strategy": ["recover-in-place", "
              "checkpoint": {"dir": "s3://bucket/ckpt", "snapshot_slots": 3}}
 JOB_LEVEL = {"nnodes": 2, "nproc_per_node": 8, "max_restarts": 5, "checkpoint": {"dir": "/mnt/ckpt/run"}}
 PVC = VolumeSource(VolumeKind.PVC, claim_name="llm-ckpt")
-# Everything a real cluster asks for: storage, credentials, placement, queue, resources, a GPU.
+# Everything a real cluster asks for: storage, credentials, placement, queue, resources, a GPU, TLS.
 CLUSTER = {"checkpoint_volume": PVC, "checkpoint_secret": "s3-credentials", "service_account": "trainer",
            "image_pull_secrets": ("regcred",), "gpu_resource": "nvidia.com/gpu",
            "placement": Placement(node_selector={"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"},
                                   tolerations=(Toleration("nvidia.com/gpu", "present", "NoSchedule"),
                                                Toleration("dedicated")),
                                   priority_class="training-high", queue="team-a"),
-           "resources": Resources("90", "96", "1500Gi", "1800Gi")}
+           "resources": Resources("90", "96", "1500Gi", "1800Gi"), "tls_secret": "llm-tls"}
 
 
 def rendered(fields: dict, flavor: Flavor, standby: int = 0, **options: Any) -> list[dict[str, Any]]:
@@ -94,7 +94,8 @@ CASES += [(Flavor.JOBSET, POD_LEVEL_LOCAL, 2, {**CLUSTER, "checkpoint_volume": V
               VolumeKind.CLAIM, size="4Ti", storage_class="filestore-rwx"), "token_secret": "llm-token",
               "placement": Placement(exclusive_topology="cloud.google.com/gke-nodepool")}),
           (Flavor.VOLCANO, POD_LEVEL, 1, {"run_volume": VolumeSource(VolumeKind.HOSTPATH, host_path="/mnt/runs"),
-                                           "etcd": "etcd-0:2379"})]
+                                           "etcd": "etcd-0:2379", "etcd_tls_secret": "etcd-client",
+                                           "etcd_client_cert": True, "tls_secret": "llm-tls"})]
 CASE_IDS = [f"{flavor.value}-{'pod' if fields.get('pod_rescheduling') else 'job'}-{number}"
             for number, (flavor, fields, _, _) in enumerate(CASES)]
 

@@ -1,6 +1,6 @@
 """Every option of ``undying k8s render`` lands where the cluster reads it: checkpoint and run
 volumes and object-store credentials, placement and gang scheduling, resources, service account
-and image pull secrets, the token's Secret, the job's own labels and annotations; renders repeat
+and image pull secrets, the token's Secret, the TLS certificates' Secrets, the job's own labels and annotations; renders repeat
 byte for byte; and every bad option is one line naming it (exit 2)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from undying.cli import main
+from undying.cli import build_parser, main
 from undying.config import SpecError, validate_job_spec
 from undying.k8s import Flavor, RenderError, RenderOptions, render_job, spec_of_rendered
 from undying.k8s.options import Placement, Resources, Toleration, VolumeKind, VolumeSource
@@ -246,6 +246,66 @@ def test_a_bad_seed_key_on_the_job_is_one_line_naming_it() -> None:
                                   "(got 'soft')")
 
 
+# ---------------------------------------------------------------- TLS certificates from Secrets
+
+def secret_files(objects: list[dict[str, Any]]) -> dict[str, str]:
+    """Every file the pod's Secret volumes project: its path in the container -> 'SECRET/KEY'."""
+    volumes = {volume["name"]: volume for volume in pod_spec(objects)["volumes"]}
+    files = {}
+    for mount in container(objects)["volumeMounts"]:
+        secret = volumes[mount["name"]].get("secret")
+        if secret is not None and "items" in secret:
+            assert mount["readOnly"] is True and secret["defaultMode"] == 0o400
+            for item in secret["items"]:
+                files[f"{mount['mountPath']}/{item['path']}"] = f"{secret['secretName']}/{item['key']}"
+    return files
+
+
+def run_arguments(objects: list[dict[str, Any]]) -> Any:
+    """The pod's arguments as `undying run` parses them (the node rank is the script's)."""
+    return build_parser().parse_args(["run", "--node-rank", "1", *container(objects)["args"]])
+
+
+@pytest.mark.parametrize("flavor", list(Flavor))
+def test_the_controllers_certificate_is_mounted_from_its_secret_and_passed_to_undying_run(flavor: Flavor) -> None:
+    objects = rendered(URL, flavor, tls_secret="llm-tls")
+    files = secret_files(objects)
+    run = run_arguments(objects)
+    assert (files[run.tls_cert], files[run.tls_key], files[run.tls_ca]) == (
+        "llm-tls/tls.crt", "llm-tls/tls.key", "llm-tls/ca.crt")
+    assert len(files) == 3  # only the keys undying reads: a Secret without one fails the mount, named
+    assert run.etcd_ca is None and run.script == "t.py"
+    without = rendered(URL, flavor)
+    assert secret_files(without) == {} and run_arguments(without).tls_cert is None
+
+
+@pytest.mark.parametrize("flavor", list(Flavor))
+def test_etcds_ca_and_the_optional_client_certificate_come_from_their_own_secret(flavor: Flavor) -> None:
+    ca_only = rendered(URL, flavor, etcd="etcd-0:2379", etcd_tls_secret="etcd-ca")
+    run = run_arguments(ca_only)
+    assert secret_files(ca_only) == {run.etcd_ca: "etcd-ca/ca.crt"}
+    assert (run.etcd_cert, run.etcd_key, run.tls_cert) == (None, None, None)
+    both = rendered(URL, flavor, etcd="etcd-0:2379", etcd_tls_secret="etcd-client", etcd_client_cert=True,
+                    tls_secret="llm-tls")
+    files = secret_files(both)
+    run = run_arguments(both)
+    assert (files[run.etcd_ca], files[run.etcd_cert], files[run.etcd_key]) == (
+        "etcd-client/ca.crt", "etcd-client/tls.crt", "etcd-client/tls.key")
+    assert files[run.tls_cert] == "llm-tls/tls.crt" and len(files) == 6
+    assert len({path.rsplit("/", 1)[0] for path in files}) == 2  # two directories: same key names, no clash
+
+
+def test_a_shared_certificate_with_etcd_gets_a_note_on_the_pods_addresses() -> None:
+    spec = validate_job_spec(URL)
+    _, plain = render_with_notes(spec, options(etcd="etcd-0:2379", checkpoint_secret="s3-keys"))
+    _, notes = render_with_notes(spec, options(etcd="etcd-0:2379", tls_secret="llm-tls", checkpoint_secret="s3-keys"))
+    [note] = [note for note in notes if note not in plain]
+    assert note.startswith("--tls-secret 'llm-tls' with --etcd: each candidate pod serves the controller at its "
+                           "own pod IP")
+    _, without_etcd = render_with_notes(spec, options(tls_secret="llm-tls", checkpoint_secret="s3-keys"))
+    assert without_etcd == render_with_notes(spec, options(checkpoint_secret="s3-keys"))[1]
+
+
 # ---------------------------------------------------------------- one line for every bad option
 
 BAD_OPTIONS = [
@@ -264,6 +324,13 @@ BAD_OPTIONS = [
     (["--run-volume", "hostpath:relative/runs"], "--run-volume: allowed pvc:CLAIM, claim:SIZE"),
     (["--checkpoint-secret", "s3 keys"], "--checkpoint-secret: allowed a Kubernetes object name"),
     (["--token-secret", "Token"], "--token-secret: allowed a Kubernetes object name"),
+    (["--tls-secret", "llm_tls"], "--tls-secret: allowed a Kubernetes object name"),
+    (["--etcd-tls-secret", "etcd ca", "--etcd", "etcd-0:2379"], "--etcd-tls-secret: allowed a Kubernetes object name"),
+    (["--etcd-tls-secret", "etcd-ca"],
+     "--etcd-tls-secret: etcd's CA, used only with --etcd (allowed with --etcd HOST:PORT; got --etcd-tls-secret "
+     "'etcd-ca' without --etcd)"),
+    (["--etcd-client-cert", "--etcd", "etcd-0:2379"], "--etcd-client-cert: the client certificate's tls.crt and "
+     "tls.key are read from --etcd-tls-secret (allowed with --etcd-tls-secret SECRET; got none)"),
     (["--node-selector", "pool"], "--node-selector: allowed KEY=VALUE"),
     (["--node-selector", "pool=h100 x"], "--node-selector: allowed a label value"),
     (["--toleration", "gpu:Sometimes"], "--toleration: allowed KEY[=VALUE][:EFFECT]"),

@@ -79,6 +79,15 @@ def add_render_arguments(parser: argparse.ArgumentParser) -> None:
                         help="restarts of the whole job after failures")
     engine.add_argument("--token-secret", metavar="SECRET",
                         help="an existing Secret with the token under key 'token' (no Secret rendered)")
+    tls = parser.add_argument_group("TLS (existing Secrets, mounted read-only in every pod)")
+    tls.add_argument("--tls-secret", metavar="SECRET",
+                     help="the controller's certificate: keys tls.crt, tls.key and ca.crt (a cert-manager "
+                          "Certificate's Secret); without --etcd it must name NAME-ctl and 127.0.0.1 "
+                          "(docs/kubernetes.md, TLS)")
+    tls.add_argument("--etcd-tls-secret", metavar="SECRET",
+                     help="with --etcd: etcd's CA under key ca.crt (etcd reached over HTTPS)")
+    tls.add_argument("--etcd-client-cert", action="store_true",
+                     help="--etcd-tls-secret also holds this job's client certificate for etcd (tls.crt, tls.key)")
     engine.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
                         help="on the job and its pods (repeatable); the seeds' keys set the spec")
     engine.add_argument("--annotation", action="append", default=[], metavar="KEY=VALUE",
@@ -106,7 +115,8 @@ def render_options(args: argparse.Namespace) -> RenderOptions:
     return RenderOptions(
         name=name, flavor=Flavor(args.flavor), image=args.image, script=script, standby=args.standby,
         state_gib=args.state_gib, gpu_resource=args.gpu_resource, etcd=args.etcd, token=token,
-        token_secret=args.token_secret,
+        token_secret=args.token_secret, tls_secret=args.tls_secret, etcd_tls_secret=args.etcd_tls_secret,
+        etcd_client_cert=args.etcd_client_cert,
         checkpoint_volume=parse_volume("--checkpoint-volume", args.checkpoint_volume) if args.checkpoint_volume else None,
         run_volume=parse_volume("--run-volume", args.run_volume) if args.run_volume else None,
         checkpoint_secret=args.checkpoint_secret, service_account=args.service_account,

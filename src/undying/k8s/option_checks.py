@@ -12,6 +12,7 @@ import math
 
 from undying.config import JobSpec
 from undying.etcd import parse_endpoints
+from undying.k8s.certificates import check_certificates
 from undying.k8s.names import (
     RenderError,
     check_dns_label,
@@ -58,7 +59,7 @@ def check_render_options(spec: JobSpec, options: RenderOptions) -> list[str]:
         check_label_value("--label", value)
     for key in options.job_annotations:
         check_qualified_name("--annotation", key)
-    return check_storage(spec, options)
+    return [*check_certificates(options), *check_storage(spec, options)]
 
 
 def _check_etcd(endpoints: str) -> None:
@@ -72,6 +73,7 @@ def _check_etcd(endpoints: str) -> None:
 
 def _check_names(options: RenderOptions) -> None:
     named = [("--token-secret", options.token_secret), ("--checkpoint-secret", options.checkpoint_secret),
+             ("--tls-secret", options.tls_secret), ("--etcd-tls-secret", options.etcd_tls_secret),
              ("--service-account", options.service_account), ("--priority-class", options.placement.priority_class),
              *(("--image-pull-secret", secret) for secret in options.image_pull_secrets)]
     for option, name in named:

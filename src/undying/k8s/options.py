@@ -168,7 +168,10 @@ class RenderOptions:
     secret (generated when None); ``token_secret``: an existing Secret holding it (none rendered).
     ``checkpoint_volume`` is mounted at ``checkpoint.dir``; run directories go to ``run_volume``
     (default: the checkpoint volume), else to the pod's own disk. ``job_labels`` and
-    ``job_annotations`` go on the job object and its pods; the seeds' keys among them set the spec."""
+    ``job_annotations`` go on the job object and its pods; the seeds' keys among them set the spec.
+    ``tls_secret``: the controller's certificate, key and CA (tls.crt, tls.key, ca.crt);
+    ``etcd_tls_secret``: etcd's CA (ca.crt), with ``etcd_client_cert`` also this job's client
+    certificate (tls.crt, tls.key); all existing Secrets, mounted in every pod (certificates.py)."""
 
     name: str
     flavor: Flavor
@@ -180,6 +183,9 @@ class RenderOptions:
     etcd: str | None = None
     token: str | None = None
     token_secret: str | None = None
+    tls_secret: str | None = None
+    etcd_tls_secret: str | None = None
+    etcd_client_cert: bool = False
     checkpoint_volume: VolumeSource | None = None
     run_volume: VolumeSource | None = None
     checkpoint_secret: str | None = None  # object-store credentials: every key becomes a variable

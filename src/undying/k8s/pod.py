@@ -1,5 +1,5 @@
 """The pod every node of a rendered job runs: one container starting ``undying run`` with the node
-rank from the engine's index variable, its volumes (storage.py) and scheduling fields
+rank from the engine's index variable, its volumes (storage.py, certificates.py) and scheduling fields
 (placement.py), and the Service, Secret and ConfigMap it reads.
 
 Runs in the ``undying k8s render`` process (pure functions from the spec and the render options
@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from undying.config import JobSpec, spec_to_dict
+from undying.k8s.certificates import certificate_arguments, certificate_volumes
 from undying.k8s.labels import spec_annotations, spec_labels
 from undying.k8s.options import Flavor, RenderOptions
 from undying.k8s.placement import INSTANCE_LABEL, container_resources, pod_spec_placement
@@ -81,7 +82,7 @@ def node_arguments(options: RenderOptions) -> list[str]:
     """`undying run`'s arguments, the same in every pod (the node rank is added by the script)."""
     arguments = ["--config", f"{SPEC_DIR}/{SPEC_FILE}",
                  "--pod-labels", f"{POD_INFO_DIR}/labels", "--pod-annotations", f"{POD_INFO_DIR}/annotations",
-                 "--token-file", f"{TOKEN_DIR}/{TOKEN_KEY}", "--run-dir", RUN_DIR]
+                 "--token-file", f"{TOKEN_DIR}/{TOKEN_KEY}", "--run-dir", RUN_DIR, *certificate_arguments(options)]
     if options.etcd:
         # Every pod is a controller candidate and advertises the address it binds: its own pod IP
         # (the kubelet expands $(POD_IP) from the container's environment).
@@ -98,6 +99,7 @@ def pod_template(spec: JobSpec, options: RenderOptions, restart_policy: str, fir
     names = object_names(options)
     shm = quantity_gib(shm_size_gib(spec, options))
     storage, storage_mounts = storage_volumes(spec, options)
+    certificates, certificate_mounts = certificate_volumes(options)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME[options.flavor],
         "image": options.image,
@@ -114,6 +116,7 @@ def pod_template(spec: JobSpec, options: RenderOptions, restart_policy: str, fir
             {"name": "job-token", "mountPath": TOKEN_DIR, "readOnly": True},
             {"name": "pod-info", "mountPath": POD_INFO_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            *certificate_mounts,
             *storage_mounts,
         ],
     }
@@ -128,6 +131,7 @@ def pod_template(spec: JobSpec, options: RenderOptions, restart_policy: str, fir
             {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
         ]}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
+        *certificates,
         *storage,
     ]
     return {
