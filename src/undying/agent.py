@@ -38,10 +38,10 @@ from undying.launch_options import SigtermAction
 from undying.locate import locator_from_env
 from undying.log_tail import read_tail
 from undying.node_check import NodeCheck, check_node
+from undying.node_standby import StandbyKeeper
 from undying.output_relay import OutputRelay, PipeSink
 from undying.procs import (
     WorkerProcess,
-    available_memory,
     child_setup,
     die_with_parent,
     signal_name,
@@ -64,19 +64,12 @@ from undying.protocol import (
 )
 from undying.root_probe import remove_probe, t2_root, write_probe, writes_t2
 from undying.shm import claim_node_dir, remove_node_dir, remove_stale
-from undying.standby import can_serve
 from undying.stopped_workers import STOPPED_CHECK_EVERY, StoppedWorkers
-from undying.warm_standby import WarmStandby
 from undying.worker_env import ENV_INJECT, ENV_SPEC, ENV_TOKEN, WorkerEnv
 from undying.worker_logs import WorkerLogs
 
 ENV_DIE_WITH_PARENT = "UNDYING_AGENT_DIE_WITH_PARENT"
 ENV_WARM = "UNDYING_WARM_STANDBY"  # "1" in a worker forked from the node's warm standby
-# Host memory the warm standby needs free before it is started (it is about 0.3 GB resident with
-# CPU torch; more with a GPU build): a node short of memory starts plain ``python`` workers.
-STANDBY_MIN_AVAILABLE = 1 << 30
-STANDBY_MEMORY_RECHECK_S = 10.0
-STANDBY_RETRY_S = 5.0  # after the standby died: until then, workers start as plain ``python`` processes
 # A long poll answers within monitor_interval; this much longer and the controller is taken for gone
 # (a frozen controller accepts connections and never answers): in a failover job the agent then
 # looks for the new leader, well before the new leader gives up on this node.
@@ -138,9 +131,8 @@ class Agent:
         # rank -> (its process that ended badly, the log's last lines, the exception line): read once
         self.exit_notes: dict[int, tuple[WorkerProcess, list[str], str]] = {}
         # The interpreter every worker of this node is forked from (standby.py), from the agent's start.
-        self.standby: WarmStandby | None = None
-        self.standby_due: float | None = time.monotonic() if spec.warm_standby else None
-        self.standby_short_of_memory = False  # said once that memory was too short for one
+        self.standby = StandbyKeeper(node, spec.warm_standby, self.command, self.log_dir,
+                                     ignore_stop_signals=sigterm is SigtermAction.STOP)
         self.stopped_workers = StoppedWorkers()
         self._stopping = False
         self._leaving: str | bool = False  # the signal that stopped this agent before the job ended
@@ -160,7 +152,7 @@ class Agent:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
-            self._keep_standby()  # its imports overlap the hello and the wait for the first order
+            self.standby.keep()  # its imports overlap the hello and the wait for the first order
             self._hello()
             self._claim_shared_memory()
             threading.Thread(target=self._watch_stopped, name="watch-stopped", daemon=True).start()
@@ -182,7 +174,7 @@ class Agent:
             self._stop_workers(grace=0.0)
             if self.relay is not None:
                 self.relay.close()  # the workers' last lines, then no more
-            self._drop_standby()
+            self.standby.drop()
             if self.job_id:
                 remove_node_dir(self.job_id, self.node)  # this node's T1 snapshots end with the job
 
@@ -236,8 +228,7 @@ class Agent:
                 check.root_probe, error = write_probe(t2_root(self.spec, self.run_dir))
                 check.problems += [error] if error else []
             return check
-        self._keep_standby()
-        standby = self.standby if self.standby is not None and self.standby.usable() else None
+        standby = self.standby.ready()
         return check_node(self.spec, self.run_dir, self.log_dir / f"check{self.launched_as}.log",
                           decode_injections(self.injections_text), self.launched_as, self.store, standby, probe_root)
 
@@ -288,7 +279,7 @@ class Agent:
     def _loop(self) -> int:
         unreachable_since: float | None = None
         while True:
-            self._keep_standby()
+            self.standby.keep()
             poll = AgentPoll(self.node, self.generation, [s.to_dict() for s in self._statuses()],
                              wait=self.spec.monitor_interval, pid=os.getpid(), hostname=socket.gethostname(),
                              check=self.check_to_send)
@@ -335,6 +326,7 @@ class Agent:
         if self.job_id:
             remove_node_dir(self.job_id, self.node)  # the spare id's (empty) T1 directory
         self.node = node
+        self.standby.node = node
         self.spare = False
         self._hello()
         self._claim_shared_memory()
@@ -405,8 +397,7 @@ class Agent:
         logs = WorkerLogs(self.log_dir, rank, self.local_ranks[rank], self.relay)
         # Its traceback is in the stderr log where the streams are split (output_relay.worker_log_paths).
         self.log_paths[rank] = logs.stderr_path or logs.stdout_path
-        self._keep_standby()
-        standby = self.standby if self.standby is not None and self.standby.usable() else None
+        standby = self.standby.ready()
         labels = ["replacement"] * joining + ["warm standby"] * (standby is not None)
         kind = f" ({', '.join(labels)})" if labels else ""
         logs.note(f"generation {order.generation}{kind}")
@@ -468,42 +459,6 @@ class Agent:
         finally:
             if client is None:
                 own.close()
-
-    def _keep_standby(self) -> None:
-        """Start the node's warm standby when one is due and there is none (or it died). On the agent's
-        main thread: PR_SET_PDEATHSIG follows the thread that started a child."""
-        if self.standby is not None and not self.standby.usable():
-            if self.standby.unsafe:
-                print(f"undying agent {self.node}: workers start without the warm standby: {self.standby.unsafe}",
-                      file=sys.stderr, flush=True)
-                self.standby_due = None  # a fork would be no safer next time
-            else:
-                self.standby_due = time.monotonic() + STANDBY_RETRY_S
-            self.standby = None
-        if self.standby is None and self.standby_due is not None and time.monotonic() >= self.standby_due \
-                and can_serve(self.command) and self._memory_for_standby():
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            self.standby = WarmStandby(self.log_dir / f"standby{self.node}.log",
-                                       ignore_stop_signals=self.sigterm is SigtermAction.STOP)
-            self.standby_due = None
-
-    def _memory_for_standby(self) -> bool:
-        """Is there room for the standby? If not, look again in a while."""
-        available = available_memory()
-        if available is None or available >= STANDBY_MIN_AVAILABLE:
-            return True
-        if not self.standby_short_of_memory:
-            print(f"undying agent {self.node}: no warm standby for now: {available >> 20} MiB of memory "
-                  f"available, the standby needs {STANDBY_MIN_AVAILABLE >> 20} MiB",
-                  file=sys.stderr, flush=True)
-        self.standby_short_of_memory = True
-        self.standby_due = time.monotonic() + STANDBY_MEMORY_RECHECK_S
-        return False
-
-    def _drop_standby(self) -> None:
-        if self.standby is not None:
-            self.standby.close()
-            self.standby = None
 
     def _stop_workers(self, grace: float) -> None:
         stop_processes(list(self.workers.values()), grace)
