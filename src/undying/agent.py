@@ -140,6 +140,7 @@ class Agent:
         self._stop_asked_at: float | None = None  # --sigterm stop: when the first signal asked for it
         self._last_signal = ""
         self.store: tuple[str, int] | None = None  # the job's store, once a hello reply said where
+        self.store_of: str | None = None  # the controller whose reply said it (a failover moves the store)
         self.check_to_send: dict[str, object] = {}  # a health check run after a stop, for the next poll
 
     @property
@@ -229,8 +230,9 @@ class Agent:
                 check.problems += [error] if error else []
             return check
         standby = self.standby.ready()
+        store = self.store if self.store_of == self.controller_address else None  # not a failed-over leader's
         return check_node(self.spec, self.run_dir, self.log_dir / f"check{self.launched_as}.log",
-                          decode_injections(self.injections_text), self.launched_as, self.store, standby, probe_root)
+                          decode_injections(self.injections_text), self.launched_as, store, standby, probe_root)
 
     def _hello(self) -> None:
         deadline = time.monotonic() + self.spec.node_return_timeout
@@ -265,6 +267,7 @@ class Agent:
                 self.workers, self.worker_generations, self.local_ranks = {}, {}, {}
             self.job_id = reply.job_id
             self.store = (parse_address(self.controller_address)[0], reply.store_port)
+            self.store_of = self.controller_address
             return
 
     def _claim_shared_memory(self) -> None:
