@@ -44,5 +44,10 @@ def test_a_slow_rank_is_reported_and_its_node_switched_to_a_spare(reference_run:
     # No step lost or run twice: every rank committed every step once, the switch at a boundary.
     samples = run.samples()
     assert sorted(samples) == list(range(STEPS))
-    assert all(sorted(record["rank"] for record in samples[step]) == [0, 1, 2, 3] for step in samples)
+    # A rank appends a step's samples after it committed the step; the switched-out ranks may be
+    # stopped between the two at the boundary step (the plan resumes after it, from rank 0's state).
+    boundary = plan.step - 1
+    for step in samples:
+        ranks = sorted(record["rank"] for record in samples[step])
+        assert ranks == [0, 1, 2, 3] or (step == boundary and ranks in ([0, 1], [0, 1, 2], [0, 1, 3])), (step, ranks)
     assert run.result["param_sha256"] == reference_run.result["param_sha256"]
