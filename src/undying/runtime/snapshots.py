@@ -11,6 +11,7 @@ run (no agent) snapshots into private memory instead.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,14 @@ from typing import Any
 import torch
 
 from undying import events as ev
-from undying.checkpoint import CommittedCheckpoint, Location, list_committed, load_object, root_location
+from undying.checkpoint import (
+    CommittedCheckpoint,
+    Location,
+    list_committed,
+    load_object,
+    remove_stale_partials,
+    root_location,
+)
 from undying.checkpoint.copy import updated_only_by
 from undying.checkpoint.dcp_format import optimizer_param_names
 from undying.checkpoint.manifest import NUMERICS_KEY
@@ -348,8 +356,23 @@ class CheckpointEngine:
         if self._persister is not None:
             self._persister.close()
             self._report_results()
+            if self.membership.group_rank == 0:
+                self._remove_dead_staging()
         if self._snapshots is not None:
             self._snapshots.close()
+
+    def _remove_dead_staging(self) -> None:
+        """The staging directories that generations ended by a fault left (a writer killed mid-write,
+        a commit given up when its generation ended) and no restore removed since (a recovery that
+        keeps the processes does not restore). None can still be committed: a generation's writer gives
+        its commit up once a newer generation exists (checkpoint/persister.py). The current
+        generation's directories are left alone: this rank, its committer, has finished its last job,
+        but another rank may still be closing."""
+        try:
+            remove_stale_partials(self.root, self.membership.generation)
+        except OSError as error:
+            print(f"undying: rank {self.membership.rank}: could not remove unfinished checkpoint directories "
+                  f"under {self.root}: {error}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------- restore (every rank, at start)
 
