@@ -11,8 +11,12 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from undying.etcd import EtcdClient
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "gpt" / "train.py"
@@ -242,11 +246,28 @@ def etcd_binary() -> str:
     return binary
 
 
+def wait_for_etcd(client: EtcdClient, process: subprocess.Popen, log: Path) -> None:
+    """Until the started etcd answers ``client`` (30 s at most; it is killed if it does not), then close it."""
+    from undying.etcd import EtcdUnavailable
+
+    deadline = time.time() + 30
+    while True:
+        try:
+            client.get("/health-probe")
+            break
+        except EtcdUnavailable:
+            if time.time() > deadline or process.poll() is not None:
+                process.kill()
+                raise AssertionError(f"etcd did not start: {log.read_text()[-2000:]}") from None
+            time.sleep(0.2)
+    client.close()
+
+
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory):
     """A single-member etcd on loopback for controller-failover tests (Debian's etcd-server)."""
 
-    from undying.etcd import EtcdClient, EtcdUnavailable
+    from undying.etcd import EtcdClient
 
     binary = etcd_binary()
     data = tmp_path_factory.mktemp("etcd")
@@ -260,17 +281,7 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory):
          "--initial-cluster", f"undying-test=http://127.0.0.1:{peer_port}"],
         stdout=open(data / "etcd.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115 - the child's
     client = EtcdClient(endpoint)
-    deadline = time.time() + 30
-    while True:
-        try:
-            client.get("/health-probe")
-            break
-        except EtcdUnavailable:
-            if time.time() > deadline or process.poll() is not None:
-                process.kill()
-                raise AssertionError(f"etcd did not start: {(data / 'etcd.log').read_text()[-2000:]}") from None
-            time.sleep(0.2)
-    client.close()
+    wait_for_etcd(client, process, data / "etcd.log")
     yield EtcdServer(endpoint, process)
     process.terminate()
     process.wait(timeout=10)

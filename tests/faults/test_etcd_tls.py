@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import STEPS, EtcdServer, JobRun, etcd_binary, free_port
+from tests.conftest import STEPS, EtcdServer, JobRun, etcd_binary, free_port, wait_for_etcd
 from tests.faults.test_controller_failover import PROCESS_LEVEL, run_failover_job
 from tests.tls_files import TlsFiles, make_tls_files
 from undying import events as ev
@@ -47,17 +46,7 @@ def etcd_tls(tmp_path_factory: pytest.TempPathFactory, tls: TlsFiles):
              "--cert-file", str(tls.cert), "--key-file", str(tls.key),
              "--client-cert-auth", "--trusted-ca-file", str(tls.ca)], stdout=log, stderr=subprocess.STDOUT)
     client = EtcdClient(endpoint, tls=ClientTls(str(tls.ca), str(tls.client_cert), str(tls.client_key)))
-    deadline = time.time() + 30
-    while True:
-        try:
-            client.get("/health-probe")
-            break
-        except EtcdUnavailable:
-            if time.time() > deadline or process.poll() is not None:
-                process.kill()
-                raise AssertionError(f"etcd did not start: {(data / 'etcd.log').read_text()[-2000:]}") from None
-            time.sleep(0.2)
-    client.close()
+    wait_for_etcd(client, process, data / "etcd.log")
     yield EtcdServer(endpoint, process)
     process.terminate()
     process.wait(timeout=10)
