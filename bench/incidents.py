@@ -66,14 +66,14 @@ def run(name: str, step_sleep: float, root: Path) -> list[Event]:
     return read_events(run_dir)
 
 
-def rate(events: list[Event], first: int, last: int) -> float | None:
-    """Rank 0's steps per second from its first heartbeat at step >= ``first`` to its first at >= ``last``."""
+def rate(events: list[Event], first: int) -> float | None:
+    """Rank 0's steps per second from its first heartbeat at step >= ``first`` to its last heartbeat
+    (heartbeats come every 0.5 s: the last may be a few steps before the end)."""
     beats = [(e.time, e.step) for e in events if e.kind == ev.HEARTBEAT and e.rank == 0 and e.step is not None]
     start = next(((t, s) for t, s in beats if s >= first), None)
-    end = next(((t, s) for t, s in beats if s >= last), None)
-    if start is None or end is None or end[1] <= start[1]:
+    if start is None or not beats or beats[-1][1] <= start[1]:
         return None
-    return (end[1] - start[1]) / (end[0] - start[0])
+    return (beats[-1][1] - start[1]) / (beats[-1][0] - start[0])
 
 
 def first(events: list[Event], kind: str, **where: Any) -> Event | None:
@@ -88,7 +88,7 @@ def mttr(events: list[Event]) -> float | None:
 def measure(name: str, events: list[Event]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if name in ("fault-free", "straggler-report"):
-        result["steps_per_second"] = rate(events, 14, STEPS - 2)
+        result["steps_per_second"] = rate(events, 14)
     if name.startswith("straggler"):
         injected, straggler = first(events, ev.INJECTION, rank=3), first(events, ev.STRAGGLER, rank=3)
         if straggler is not None and injected is not None:
@@ -100,16 +100,17 @@ def measure(name: str, events: list[Event]) -> dict[str, Any]:
         if begin is not None and resumed:
             result["switch_seconds"] = round(max(e.time for e in resumed) - begin.time, 3)
             after = max(e.step or 0 for e in resumed) + 3
-            result["steps_per_second_after"] = rate(events, max(after, 14), STEPS - 2)
+            result["steps_per_second_after"] = rate(events, max(after, 14))
     if name == "nan-transient":
         bad = [e for e in events if e.kind == ev.BAD_STEP]
         if len(bad) == 2:
             result["replay_seconds"] = round(bad[1].time - bad[0].time, 3)
-        result["steps_per_second"] = rate(events, 14, STEPS - 2)
+        result["steps_per_second"] = rate(events, 14)
     if name == "check-failed":
         failed, started = first(events, ev.NODE_CHECK_FAILED), first(events, ev.GENERATION_START)
         checks = [e.details.get("check", {}).get("check_seconds") for e in events if e.kind == ev.AGENT_REGISTERED]
         result["check_seconds"] = [seconds for seconds in checks if seconds is not None]
+        result["slowest_check_seconds"] = max(result["check_seconds"], default=None)
         if failed is not None and started is not None:
             result["failed_to_generation_seconds"] = round(started.time - failed.time, 3)
     if name.startswith("restart"):

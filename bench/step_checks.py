@@ -6,10 +6,12 @@ Two parts, each timing exactly the work these features add to a step (whole-job 
 1. In one process (one thread), the example GPT at the size whose step takes about 125 ms with 4
    ranks on 2 cores (examples/gpt, 4 layers x 256, batch 4 x 32 tokens): a training step
    (forward, backward, AdamW), and on its gradients the check's work (``ft.check(loss=...)``,
-   ``StepCheck.vote_report``: the gradient norm read back, ``verdict``, ``committed``) and the step
-   timer's (``StepTimer.begin``, ``committed``, ``typical``), over ``--steps`` steps.
+   ``StepCheck.vote_report`` on rank 0's share of the gradients of ``--world`` ranks: the gradient
+   norm read back, ``verdict``, ``committed``) and the step timer's (``StepTimer.begin``,
+   ``committed``, ``typical``), over ``--steps`` steps.
 2. ``--world`` gloo processes on loopback: the commit vote as it is without the check (one float32)
-   and with it (six float64: the vote and the check's five numbers), over ``--votes`` rounds.
+   and with it (float64: the vote and the check's counts packed, runtime/vote_sums.py, and the
+   loss), over ``--votes`` rounds.
 
 Each time is given as its median and its minimum: on a machine other jobs load, the median carries
 their share of the cores and the minimum is what the work itself takes.
@@ -37,7 +39,7 @@ from spawn_ranks import spawn_ranks  # noqa: E402
 REFERENCE_STEP_S = 0.125
 
 
-def in_process(steps: int) -> dict[str, float]:
+def in_process(steps: int, world: int) -> dict[str, float]:
     import torch
     from data import CharDataset
     from model import GPT, GPTConfig
@@ -65,7 +67,7 @@ def in_process(steps: int) -> dict[str, float]:
         started = time.perf_counter()
         check.begin_step()
         check.watch({"loss": loss})
-        report = check.vote_report(gradients_of([model]))
+        report = check.vote_report(gradients_of([model], (0, world)))
         assert check.verdict(list(report)) is None
         check.committed(list(report))
         check_s.append(time.perf_counter() - started)
@@ -87,6 +89,9 @@ def vote_worker(rank: int, world: int, rounds: int, port: int, queue: mp.Queue) 
     import torch
     import torch.distributed as dist
 
+    from undying.runtime.step_check import COUNT_LIMITS, report_parts
+    from undying.runtime.vote_sums import pack_counts, unpack_counts
+
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=60))
     group = dist.ProcessGroupGloo(dist.PrefixStore("bench", store), rank, world, datetime.timedelta(seconds=60))
@@ -100,9 +105,10 @@ def vote_worker(rank: int, world: int, rounds: int, port: int, queue: mp.Queue) 
         plain.append(time.perf_counter() - started)
         group.barrier().wait()
         started = time.perf_counter()
-        votes = torch.tensor([1.0, 0.0, 2.5, 1.0, 0.0, 0.0], dtype=torch.float64)
+        counts, floats = report_parts((0.0, 2.5, 1.0, 0.0, 0.0))
+        votes = torch.tensor([*pack_counts([1, *counts], [1, *COUNT_LIMITS], world), *floats], dtype=torch.float64)
         group.allreduce([votes]).wait()
-        assert int(votes.tolist()[0]) == world
+        assert unpack_counts(votes.tolist()[:-1], [1, *COUNT_LIMITS], world)[:3] == [world, 0, world]
         checked.append(time.perf_counter() - started)
     queue.put((rank, {"plain": statistics.median(plain), "checked": statistics.median(checked),
                       "plain_min": min(plain), "checked_min": min(checked)}))
@@ -115,7 +121,7 @@ def main() -> None:
     parser.add_argument("--votes", type=int, default=300)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    local = in_process(args.steps)
+    local = in_process(args.steps, args.world)
     votes = spawn_ranks(args.world, vote_worker, args.world, args.votes)[0]
     report: dict[str, float | int] = {"load_average": round(os.getloadavg()[0], 2),
                                       "model_parameters": local["parameters"]}

@@ -40,16 +40,6 @@ def commit_vote(group: GenerationGroup, ok: bool, device: torch.device) -> bool:
     return int(votes.item()) == group.world_size
 
 
-def commit_vote_with_sums(group: GenerationGroup, ok: bool, reports: tuple[float, ...],
-                          device: torch.device) -> tuple[bool, list[float]]:
-    """The commit vote carrying ``reports`` of every rank: (every rank voted ``ok``, the sum of each
-    report over the ranks), in one float64 all-reduce (exact for integers up to 2**53)."""
-    votes = torch.tensor([1.0 if ok else 0.0, *reports], dtype=torch.float64, device=device)
-    group.allreduce_sum(votes)
-    total = votes.cpu().tolist()
-    return int(total[0]) == group.world_size, total[1:]
-
-
 class FixedLayoutDDP(torch.nn.Module):
     """Wraps a model so gradients are averaged over the current data-parallel world, as DDP does.
 

@@ -11,12 +11,17 @@ history every rank holds alike (registered job state: rolled back with a failed 
 replacement, checkpointed). What a bad step leads to is runtime/bad_steps.py.
 
 Cost per step: one pass over the gradients for their norm (``torch.nn.utils.get_total_norm``, read
-back with one ``.item()``: on a GPU, a sync before the vote's own) and three more numbers in the vote.
+back with one ``.item()``: on a GPU, a sync before the vote's own), over this rank's share of them
+only where every rank holds the same averaged gradients (``share_of``: a non-finite gradient is
+non-finite on every rank, so one rank finding it is enough); and the vote's numbers, the counts
+among them packed into the vote's first element (runtime/vote_sums.py), the loss one more.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +34,9 @@ from undying.runtime.scalars import NAME_PATTERN
 LOSS = "loss"  # the ft.check name whose spikes are looked for
 GRAD_NORM = "grad_norm"  # a bad value of the gradients' (every rank's, once averaged), not a checked one
 REPORT_LEN = 5  # the numbers this check adds to the commit vote
+COUNT_FIELDS = (0, 2, 3, 4)  # which of them are counts (packed into few elements, runtime/vote_sums.py)
+RANK_LIMIT = 2**24 - 1  # the ranks a named bad value's count field is sized for
+COUNT_LIMITS = (1, 1, 1, RANK_LIMIT)  # each count's most on one rank
 RECENT_LOSSES = "undying.recent_losses"  # its registered name (job state)
 
 
@@ -134,12 +142,46 @@ class StepCheck:
             self.recent.losses.append(sums[1] / sums[2])
 
 
-def gradients_of(models: list[Any]) -> list[torch.Tensor]:
+def report_parts(report: tuple[float, ...]) -> tuple[list[int], list[float]]:
+    """A ``vote_report`` as (its counts, its other numbers), to travel in the vote."""
+    counts = [int(report[index]) for index in COUNT_FIELDS]
+    return counts, [value for index, value in enumerate(report) if index not in COUNT_FIELDS]
+
+
+def report_from_parts(counts: list[int], floats: list[float]) -> list[float]:
+    """The summed counts and other numbers back in ``vote_report``'s order (for ``verdict``)."""
+    numbers, summed = iter(counts), iter(floats)
+    return [float(next(numbers)) if index in COUNT_FIELDS else next(summed) for index in range(REPORT_LEN)]
+
+
+@functools.lru_cache(maxsize=8)
+def _share_indices(numels: tuple[int, ...], rank: int, world_size: int) -> tuple[int, ...]:
+    loads = [(0, holder) for holder in range(world_size)]  # a heap: the least loaded rank first
+    mine = []
+    for index in sorted(range(len(numels)), key=lambda index: (-numels[index], index)):
+        load, holder = heapq.heappop(loads)
+        if holder == rank:
+            mine.append(index)
+        heapq.heappush(loads, (load + numels[index], holder))
+    return tuple(sorted(mine))
+
+
+def share_of(params: list[torch.Tensor], rank: int, world_size: int) -> list[torch.Tensor]:
+    """This rank's share of ``params`` (the same list on every rank), balanced by elements: every
+    parameter in exactly one rank's share, the same split on every rank."""
+    if world_size <= 1:
+        return params
+    return [params[index] for index in _share_indices(tuple(param.numel() for param in params), rank, world_size)]
+
+
+def gradients_of(models: list[Any], shared: tuple[int, int] | None = None) -> list[torch.Tensor]:
     """Every gradient this rank holds, as plain local tensors (a DTensor's local shard: a norm of the
-    DTensor itself would be a collective)."""
+    DTensor itself would be a collective). ``shared`` (this rank, the world size): the models'
+    gradients are the same on every rank (averaged), and only this rank's share of them is taken."""
     grads = []
     for model in models:
-        for param in model.parameters():
+        params = list(model.parameters())
+        for param in share_of(params, *shared) if shared is not None else params:
             grad = param.grad
             if grad is not None:
                 grads.append(grad.to_local() if hasattr(grad, "to_local") else grad)

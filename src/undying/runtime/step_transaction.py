@@ -24,16 +24,25 @@ from undying.config import JobSpec
 from undying.log_tail import exception_tail
 from undying.protocol import Phase
 from undying.runtime.carried_batches import CarriedBatchError
-from undying.runtime.ddp import FixedLayoutDDP, commit_vote, commit_vote_with_sums
+from undying.runtime.ddp import FixedLayoutDDP, commit_vote
 from undying.runtime.injection_points import AFTER_VOTE, InjectionPoints
 from undying.runtime.membership import Membership
 from undying.runtime.peer_copies import PeerCopies
-from undying.runtime.pg import CollectiveError
+from undying.runtime.pg import CollectiveError, GenerationGroup
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng_mirror import RngMirror
-from undying.runtime.step_check import REPORT_LEN, BadStep, StepCheck, gradients_of
+from undying.runtime.step_check import (
+    COUNT_LIMITS,
+    REPORT_LEN,
+    BadStep,
+    StepCheck,
+    gradients_of,
+    report_from_parts,
+    report_parts,
+)
 from undying.runtime.step_timing import StepTimer
 from undying.runtime.training_state import TrainingState
+from undying.runtime.vote_sums import commit_vote_with_sums
 from undying.strategy_names import StrategyName
 
 # How long an exception in the step body waits to learn whether the controller aborted the
@@ -215,11 +224,22 @@ class StepTransaction:
             if isinstance(model, FixedLayoutDDP):
                 model.sync_buffers()
         group = self.membership.current_group()
-        checked = self.check.vote_report(gradients_of(self.state.models)) if final and self.check.enabled else ()
+        checked = self.check.vote_report(self._gradients_to_check(group)) if final and self.check.enabled else ()
         copies = self.peer_copies.vote_report() if self.peer_copies is not None and self.peer_copies.enabled else ()
-        if checked or copies:
-            return commit_vote_with_sums(group, vote_ok, (*checked, *copies), self.device)
-        return commit_vote(group, vote_ok, self.device), None
+        if not checked and not copies:
+            return commit_vote(group, vote_ok, self.device), None
+        counts, floats = report_parts(checked) if checked else ([], [])
+        all_ok, counted, summed = commit_vote_with_sums(group, vote_ok, counts, COUNT_LIMITS if checked else (),
+                                                        (*floats, *copies), self.device)
+        sums = report_from_parts(counted, summed[:len(floats)]) if checked else []
+        return all_ok, [*sums, *summed[len(floats):]]
+
+    def _gradients_to_check(self, group: GenerationGroup) -> list[torch.Tensor]:
+        """The gradients this rank checks: its share of those every rank holds alike once averaged
+        (a DDP model's), all of its own (a sharded model's local shards)."""
+        replicated = [model for model in self.state.models if isinstance(model, FixedLayoutDDP)]
+        own = [model for model in self.state.models if not isinstance(model, FixedLayoutDDP)]
+        return [*gradients_of(replicated, (group.rank, group.world_size)), *gradients_of(own)]
 
     def step_raised(self, error: BaseException | None) -> bool:
         """The ``with step:`` guard saw the body end; True suppresses its exception (the step is re-run).
