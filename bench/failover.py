@@ -6,7 +6,8 @@ Node 0 leads. Its whole process group (controller, agent, ranks 0 and 1) is SIGK
 step 35, or SIGSTOPped there and SIGCONTed once training is back. From the event log:
 fault -> takeover (a candidate on another node resumed the saved state), fault -> node 0
 declared lost, MTTR (fault -> every rank completed its first step after it), steps lost,
-processes started after the fault. Side by side in the same run: the same job without
+processes started after the fault, and the phases (the lease's expiry and the election, the dead
+node declared lost by the new leader, the decision, the recovery to every rank's first step). Side by side in the same run: the same job without
 failover, where losing a node costs a job-level restart (node 1 SIGKILLed at step 35: a
 node-0 loss would end that job outright), and torchrun + torch.save with a worker killed.
 
@@ -20,6 +21,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +40,7 @@ from undying.events import read_events  # noqa: E402
 from undying.locate import locate_controller  # noqa: E402
 
 TOKEN = "bench-failover-token-0123456789"
+PHASES = ("phase_takeover_seconds", "phase_declared_lost_seconds", "phase_decision_seconds", "phase_recovery_seconds")
 TRAIN = str(REPO / "examples" / "gpt" / "train.py")
 
 
@@ -115,13 +118,25 @@ def measure_failover(etcd: str, freeze: bool) -> dict:
         takeover = next((e for e in events if e.kind == ev.CONTROLLER_TAKEOVER), None)
         lost = next((e for e in events if e.kind == ev.AGENT_LOST and e.node == 0 and e.time >= fault_time), None)
         firsts = [e for e in events if e.kind == ev.FIRST_STEP and e.time > fault_time]
+        decision = next((e for e in events if e.kind == ev.DECISION and lost is not None and e.time >= lost.time), None)
         if takeover is not None:
             record["takeover_seconds"] = round(takeover.time - fault_time, 3)
         if lost is not None:
             record["detect_seconds"] = round(lost.time - fault_time, 3)
+        # The phases, each from the end of the one before: the lease's expiry and the election, the
+        # dead node declared lost by the new leader, the decision, the recovery to every rank's first step.
+        phases = [("takeover", takeover), ("declared_lost", lost), ("decision", decision)]
+        previous = fault_time
+        for name, event in phases:
+            if event is None:
+                break
+            record[f"phase_{name}_seconds"] = round(event.time - previous, 3)
+            previous = event.time
         if firsts:
             generation = min(e.generation for e in firsts)
             record["mttr_seconds"] = round(max(e.time for e in firsts if e.generation == generation) - fault_time, 3)
+            if decision is not None:
+                record["phase_recovery_seconds"] = round(fault_time + record["mttr_seconds"] - decision.time, 3)
             record["steps_lost"] = max(0, max(e.step for e in events if e.kind == ev.HEARTBEAT and e.generation == 1)
                                        - firsts[0].details["resumed_from"]) if freeze else \
                 FAULT_STEP - firsts[0].details["resumed_from"]
@@ -140,6 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--failover-only", action="store_true", help="only the two failover scenarios")
     args = parser.parse_args()
     scenarios = {
         "failover: SIGKILL leader node (controller + ranks 0-1), recover onto spare":
@@ -149,6 +165,8 @@ def main() -> None:
         "no failover: SIGKILL node 1, job-level restart": lambda etcd: measure_job_restart(),
         "torchrun + torch.save: SIGKILL worker, restart": lambda etcd: measure_torchrun(kill=True),
     }
+    if args.failover_only:
+        scenarios = {name: measure for name, measure in scenarios.items() if name.startswith("failover")}
     with tempfile.TemporaryDirectory(prefix="bench-etcd-") as data:
         etcd_process, etcd = start_etcd(Path(data))
         results = {}
@@ -160,10 +178,11 @@ def main() -> None:
                     print(f"{name} #{repeat + 1}: {json.dumps(run)}", flush=True)
                     runs.append(run)
                 summary = summarize(runs)
-                for key in ("takeover_seconds", "job_restarts"):
+                for key in ("takeover_seconds", "job_restarts", *PHASES):
                     values = [run[key] for run in runs if key in run]
                     if values:
                         summary[f"all_{key}"] = values
+                        summary[f"median_{key}"] = round(statistics.median(values), 3)
                 summary["runs_detail"] = runs
                 results[name] = summary
         finally:

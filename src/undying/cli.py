@@ -75,9 +75,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "elected by an etcd lease and keeps the job's state there (needs --job-name, "
                              "--node-rank, --token-file)")
     parser.add_argument("--job-name", help="with --etcd: the job's name, its key prefix in etcd (one per job)")
-    parser.add_argument("--lease-ttl", type=int, default=5,
+    parser.add_argument("--lease-ttl", type=int, default=2,
                         help="with --etcd: seconds a dead leader's lease lasts before another takes over "
-                             "(default 5, at least 2)")
+                             "(default 2, at least 2)")
     parser.add_argument("--recover-strategy", help="comma list: retry, recover-in-place, recover, "
                         "elastic-training, dump, exit (a list with any but exit sets process_recover: true)")
     parser.add_argument("--checkpoint-dir", help="checkpoint directory (default RUN_DIR/checkpoints)")

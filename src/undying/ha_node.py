@@ -105,7 +105,7 @@ class ControllerCandidate(threading.Thread):
         candidate.on_lost = controller.depose
         controller.in_charge = candidate.in_charge
         if saved is not None:
-            controller.resume(saved, why="the previous leader's etcd lease expired")
+            controller.resume(saved, why="the previous leader's etcd lease expired", live=candidate.live_processes())
         server.start()
         address = format_address(self.advertise, server.port)
         candidate.publish(address, controller.store_address, epoch=int(time.time() * 1000))

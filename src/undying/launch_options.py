@@ -44,7 +44,7 @@ class LaunchOptions:
     extra_env: dict[str, str] = field(default_factory=dict)
     etcd: str | None = None  # host:port: controller failover (every node a candidate; ha_node.py)
     job_name: str | None = None  # the job's key prefix in etcd
-    lease_ttl: int = 5  # seconds a dead leader keeps its lease (how long a failover waits)
+    lease_ttl: int = 2  # seconds a dead leader keeps its lease (how long a failover waits)
     log_dir: Path | None = None  # the workers' logs (--log-dir); None: RUN_DIR/logs
     # Which streams of each local rank the console shows (--redirects, --tee, --local-ranks-filter);
     # None: every stream of every rank.

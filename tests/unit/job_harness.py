@@ -155,8 +155,8 @@ class MachineController:
     def export_state(self) -> dict[str, Any]:
         return export_state(self.machine)
 
-    def resume(self, saved: dict[str, Any], why: str) -> None:
-        self._apply(lambda now: resume(self.machine, saved, why, now))
+    def resume(self, saved: dict[str, Any], why: str, live: set[tuple[str, int]] | None = None) -> None:
+        self._apply(lambda now: resume(self.machine, saved, why, now, live))
 
 
 def check_in_together(controller: MachineController, requests: list[RecoverRequest]) -> dict[int, Plan]:

@@ -66,6 +66,34 @@ def test_a_resumed_controller_keeps_the_generation_running_and_loses_the_silent_
     assert kinds(tmp_path / "b", ev.CONTROLLER_TAKEOVER)[0].details["previous_state"] == "running"
 
 
+def test_a_node_whose_process_holds_no_lease_at_the_takeover_is_lost_without_waiting(tmp_path: Path) -> None:
+    """The successor reads which ``undying run`` processes hold an etcd lease (controller/ha.py): node
+    0's (host0, pid 1000) went with the old leader, so it is lost at once, not after the wait for an
+    unconfirmed agent's poll; node 1 (alive) is waited for, and the decision comes once it polls."""
+    first = Job(tmp_path / "a", **RECOVERABLE)
+    first.start_running()
+    for rank in range(4):
+        first.beat(rank, 7)
+    job = Job(tmp_path / "b", **RECOVERABLE)
+    job.controller.resume(first.controller.export_state(), why="test", live={("host1", 1001), ("host9", 7)})
+    job.start()
+    assert kinds(tmp_path / "b", ev.CONTROLLER_TAKEOVER)[0].details["gone"] == [0]
+    deadline = time.time() + WAIT
+    while not kinds(tmp_path / "b", ev.AGENT_LOST) and time.time() < deadline:
+        time.sleep(0.02)
+    lost = kinds(tmp_path / "b", ev.AGENT_LOST)
+    assert [event.node for event in lost] == [0] and "no etcd lease" in lost[0].details["why"]
+    assert not kinds(tmp_path / "b", ev.DECISION)  # node 1 has not polled yet: its state is unknown
+    job.beat(2, 7)
+    job.beat(3, 7)
+    deadline = time.time() + WAIT
+    while not kinds(tmp_path / "b", ev.DECISION) and time.time() < deadline:
+        order = job.poll(1, 1, job.statuses(1, 1), wait=0.05)
+        assert order.kind == OrderKind.NONE, order
+    decision = kinds(tmp_path / "b", ev.DECISION)[0]
+    assert decision.details["strategy"] == "recover" and decision.details["lost_ranks"] == [0, 1]
+
+
 def test_a_resumed_controller_knows_which_process_holds_each_node(tmp_path: Path) -> None:
     """The saved state names each node's agent (pid and host): right after a takeover, a poll from
     another process (an agent that was away while a spare took its place) is told to say hello."""

@@ -341,7 +341,7 @@ class Controller:
         with self._cond:
             return export_state(self.machine)
 
-    def resume(self, saved: dict[str, Any], why: str) -> None:
+    def resume(self, saved: dict[str, Any], why: str, live: set[tuple[str, int]] | None = None) -> None:
         """Take over a job another controller ran (see ``saved_state.resume``)."""
         with self._cond:
-            self._apply(lambda now: resume(self.machine, saved, why, now))
+            self._apply(lambda now: resume(self.machine, saved, why, now, live))

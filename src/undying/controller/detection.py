@@ -94,6 +94,10 @@ class FaultDetector:
             if node.node in frozen:
                 silent.append((node, frozen[node.node]))
                 continue
+            if node.gone and not node.confirmed:
+                silent.append((node, "its process held no etcd lease when the controller failed over: it went "
+                                     "with the previous leader"))
+                continue
             limit = self.deadlines.agent_lost_after if node.confirmed else self.deadlines.unconfirmed_agent_lost_after
             quiet_ranks = self._ranks_silent_with_their_agent(node, now)
             if now - node.last_seen > limit:

@@ -7,10 +7,13 @@ and workers find the leader with ``undying.locate``. Keys, under ``/undying/<job
   (a compare-and-put on its create revision) and bound to the winner's lease. When
   the leader's process or node dies, its lease expires after ``ttl`` seconds, etcd
   deletes the key, and the next candidate's create succeeds.
-* ``candidates/<id>``: each candidate's node and pre-started store, under its lease. The
-  leader names one on another node as the *backup store*: workers mirror their per-step
-  RNG state there too, so the replacements of ranks that died with the leader's node
-  (and its store) still resume with their exact RNG state.
+* ``candidates/<id>``: each candidate's node, host, pid and pre-started store, under its
+  lease. The leader names one on another node as the *backup store*: workers mirror their
+  per-step RNG state there too, so the replacements of ranks that died with the leader's
+  node (and its store) still resume with their exact RNG state. A successor reads them at
+  its takeover (``live_processes``): a node's agent runs in its candidate's process, so a
+  node whose process holds no lease any more went with the leader (killed, frozen or cut
+  off for a whole lease) and is lost at once instead of after a wait for its poll.
 * ``state``: the controller's saved state (``Controller.export_state``), written only
   while ``leader`` still holds this candidate's record (a fenced write), so a deposed
   leader that has not noticed yet cannot overwrite its successor's state.
@@ -23,6 +26,8 @@ stops serving, so agents re-resolve the address and find the new leader.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 import time
 import uuid
@@ -90,9 +95,10 @@ class Candidate:
             try:
                 if not self.lease:
                     self.lease = self._client.grant(self.ttl)
-                    if self.store:
-                        self._client.put(f"{job_prefix(self.job)}/candidates/{self.id}",
-                                         json.dumps({"node": self.node, "store": self.store}), lease=self.lease)
+                    self._client.put(f"{job_prefix(self.job)}/candidates/{self.id}",
+                                     json.dumps({"node": self.node, "store": self.store,
+                                                 "host": socket.gethostname(), "pid": os.getpid()}),
+                                     lease=self.lease)
                 record = json.dumps({"id": self.id, "controller": "", "store": "", "epoch": 0})
                 created, _ = self._client.put_if_absent(self.leader_key, record, lease=self.lease)
                 if created:
@@ -128,19 +134,35 @@ class Candidate:
             return
         self.record = record
 
-    def backup_store(self) -> str:
-        """The store of a live candidate on another node (the lowest node id), or "" if none."""
+    def _candidates(self) -> list[dict[str, Any]] | None:
+        """Every live candidate's record (None: etcd did not answer)."""
         try:
             with self._lock:
                 records = self._client.get_prefix(f"{job_prefix(self.job)}/candidates/")
         except EtcdUnavailable:
-            return ""
-        others = []
+            return None
+        infos = []
         for record in records:
             try:
                 info = json.loads(record.value)
             except ValueError:
                 continue
+            if isinstance(info, dict):
+                infos.append(info)
+        return infos
+
+    def live_processes(self) -> set[tuple[str, int]] | None:
+        """(host, pid) of every process that holds a candidate lease now: the job's ``undying run``
+        processes alive and in touch with etcd (None: etcd did not answer)."""
+        infos = self._candidates()
+        if infos is None:
+            return None
+        return {(str(info["host"]), int(info["pid"])) for info in infos if info.get("host") and info.get("pid")}
+
+    def backup_store(self) -> str:
+        """The store of a live candidate on another node (the lowest node id), or "" if none."""
+        others = []
+        for info in self._candidates() or []:
             if info.get("node") != self.node and info.get("store"):
                 others.append((int(info["node"]), str(info["store"])))
         return min(others)[1] if others else ""

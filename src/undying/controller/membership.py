@@ -29,6 +29,7 @@ class NodeRecord:
     exit_delivered: bool = False
     standby: bool = False  # a spare: no ranks; takes over a lost node's place when ordered to
     confirmed: bool = True  # False: known only from a failed-over controller's saved state, not polled yet
+    gone: bool = False  # unconfirmed, and its process held no etcd lease at the takeover (controller/ha.py)
     adopting: int | None = None  # the node whose place this spare was ordered to take
     disconnected_since: float | None = None  # its poll connection closed then, and it has not polled since
     last_heard: float | None = None  # its newest request of any kind (poll, report, beat) arrived then

@@ -46,11 +46,14 @@ def export_state(job: JobMachine) -> dict[str, Any]:
     }
 
 
-def resume(job: JobMachine, saved: dict[str, Any], why: str, now: float) -> None:
+def resume(job: JobMachine, saved: dict[str, Any], why: str, now: float,
+           live: set[tuple[str, int]] | None = None) -> None:
     """Take over a job another controller ran (it died or lost its lease). A running generation
     goes on untouched: its nodes and ranks are known from ``saved`` and confirm themselves by
-    polling and beating here (a node that does not is lost, as any other). A job caught in the
-    middle of a recovery or restart restarts (the successor cannot know how far it got)."""
+    polling and beating here (a node that does not is lost, as any other). ``live``: the (host,
+    pid) of the processes that hold an etcd lease now (controller/ha.py ``live_processes``; None:
+    unknown): a node whose agent's process is not among them is lost at once (``gone``). A job
+    caught in the middle of a recovery or restart restarts (the successor cannot know how far it got)."""
     job.now = now
     membership = job.membership
     job.job_id = saved["job_id"]
@@ -74,10 +77,11 @@ def resume(job: JobMachine, saved: dict[str, Any], why: str, now: float) -> None
     for node_id, node in saved["nodes"].items():
         if node["alive"]:
             # The agent's pid and host: a poll from another process is not the node's.
-            membership.nodes[int(node_id)] = NodeRecord(int(node_id), int(node.get("pid") or 0),
-                                                        str(node.get("host") or ""), now,
+            pid, host = int(node.get("pid") or 0), str(node.get("host") or "")
+            gone = live is not None and bool(pid and host) and (host, pid) not in live
+            membership.nodes[int(node_id)] = NodeRecord(int(node_id), pid, host, now,
                                                         standby=bool(node["standby"]), confirmed=False,
-                                                        unfit=str(node.get("unfit") or ""))
+                                                        unfit=str(node.get("unfit") or ""), gone=gone)
     membership.retired = {(str(host), int(pid)): str(why) for host, pid, why in saved.get("retired", [])}
     membership.unfit_places = {int(node) for node in saved.get("unfit_places", [])}
     for rank_text, spawned in saved["spawned"].items():
@@ -87,7 +91,7 @@ def resume(job: JobMachine, saved: dict[str, Any], why: str, now: float) -> None
     previous = JobState(saved["state"])
     job.emit(ev.CONTROLLER_TAKEOVER, generation=job.generation, details={
         "previous_state": previous.value, "why": why, "nodes": sorted(membership.nodes),
-        "members": membership.members})
+        "members": membership.members, "gone": sorted(n.node for n in membership.nodes.values() if n.gone)})
     job.state_deadline = now + job.deadlines.node_return
     if previous is JobState.RUNNING:
         job.state = JobState.RUNNING
