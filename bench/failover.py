@@ -6,7 +6,8 @@ Node 0 leads. Its whole process group (controller, agent, ranks 0 and 1) is SIGK
 step 35, or SIGSTOPped there and SIGCONTed once training is back. From the event log:
 fault -> takeover (a candidate on another node resumed the saved state), fault -> node 0
 declared lost, MTTR (fault -> every rank completed its first step after it), steps lost,
-processes started after the fault, and the phases (the lease's expiry and the election, the dead
+processes started after the fault, whether the final parameters equal a fault-free run's (one run of
+the same job first), and the phases (the lease's expiry and the election, the dead
 node declared lost by the new leader, the decision, the recovery to every rank's first step). Side by side in the same run: the same job without
 failover, where losing a node costs a job-level restart (node 1 SIGKILLed at step 35: a
 node-0 loss would end that job outright), and torchrun + torch.save with a worker killed.
@@ -79,13 +80,14 @@ def wait_event(run_dir: Path, predicate, timeout: float = 300) -> ev.Event | Non
     return None
 
 
-def measure_failover(etcd: str, freeze: bool) -> dict:
+def measure_failover(etcd: str, freeze: bool, fault: bool = True) -> dict:
+    """One run; ``fault`` False: the same job fault-free (the reference its digest is compared with)."""
     with tempfile.TemporaryDirectory(prefix="undying-failover-") as tmp:
         run_dir = Path(tmp) / "run"
         run_dir.mkdir()
         (run_dir / "token").write_text(TOKEN)
         job = f"bench-{uuid.uuid4().hex[:8]}"
-        inject = [] if freeze else ["--inject", f"node:node=0:step={FAULT_STEP}"]
+        inject = [] if freeze or not fault else ["--inject", f"node:node=0:step={FAULT_STEP}"]
 
         def start(node: int) -> subprocess.Popen:
             command = [sys.executable, "-m", "undying.cli", "run", *BASE, *PROCESS, *inject,
@@ -101,15 +103,19 @@ def measure_failover(etcd: str, freeze: bool) -> dict:
             time.sleep(0.1)
         nodes[1], nodes[2] = start(1), start(2)
         fault_time = None
-        if freeze:
+        if freeze and fault:
             wait_event(run_dir, lambda e: e.kind == ev.HEARTBEAT and e.generation == 1 and (e.step or 0) >= FAULT_STEP)
             fault_time = time.time()
             os.killpg(nodes[0].pid, signal.SIGSTOP)
             wait_event(run_dir, lambda e: e.kind == ev.FIRST_STEP and (e.generation or 0) >= 2)
             os.killpg(nodes[0].pid, signal.SIGCONT)
         codes = {node: process.wait(timeout=600) for node, process in nodes.items()}
-        record: dict = {"exit_code": max(abs(code) for node, code in codes.items() if node != 0 or freeze),
+        record: dict = {"exit_code": max(abs(code) for node, code in codes.items() if node != 0 or freeze or not fault),
                         "wall_seconds": round(time.time() - started, 3)}
+        result = run_dir / "result.json"
+        record["param_sha256"] = json.loads(result.read_text()).get("param_sha256") if result.exists() else None
+        if not fault:
+            return record
         events = read_events(run_dir)
         if not freeze:
             injection = next(e for e in events if e.kind == ev.INJECTION)
@@ -171,10 +177,14 @@ def main() -> None:
         etcd_process, etcd = start_etcd(Path(data))
         results = {}
         try:
+            reference = measure_failover(etcd, freeze=False, fault=False)["param_sha256"]
+            print(f"fault-free reference: {reference}", flush=True)
             for name, measure in scenarios.items():
                 runs = []
                 for repeat in range(args.repeats):
                     run = measure(etcd)
+                    if "param_sha256" in run:
+                        run["bitwise_equal"] = reference is not None and run["param_sha256"] == reference
                     print(f"{name} #{repeat + 1}: {json.dumps(run)}", flush=True)
                     runs.append(run)
                 summary = summarize(runs)
@@ -183,6 +193,7 @@ def main() -> None:
                     if values:
                         summary[f"all_{key}"] = values
                         summary[f"median_{key}"] = round(statistics.median(values), 3)
+                summary["bitwise_equal_runs"] = sum(1 for run in runs if run.get("bitwise_equal"))
                 summary["runs_detail"] = runs
                 results[name] = summary
         finally:

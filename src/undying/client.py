@@ -118,9 +118,12 @@ class ControllerClient:
             except (OSError, http.client.HTTPException) as error:
                 self.close()
                 attempt += 1
-                # A kept-alive connection the server closed fails once; a second failure is real,
-                # unless the controller moved (failover), which gives the request two more tries.
-                if attempt >= 2 and not (attempt < 4 and self._relocate()):
+                # The controller may have moved (a failover): asked at once, so that a request that
+                # timed out on a frozen leader does not wait a second timeout before following it.
+                # Else a kept-alive connection the server closed fails once; a second failure is real.
+                if attempt < 4 and self._relocate():
+                    continue
+                if attempt >= 2:
                     raise ControllerUnreachable(f"controller {self.address}: {error}") from error
         if response.status == 401:
             raise Unauthorized(f"controller {self.address} refused the job token")
