@@ -35,6 +35,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "bench"))
+from phases import recovery_phases  # noqa: E402
+
 from tests.conftest import run_job  # noqa: E402
 from tests.faults.test_real_hosts import (  # noqa: E402
     FREEZE_AT_STEP,
@@ -72,7 +75,8 @@ def outcome(events: list[Event], fault_time: float) -> dict[str, Any]:
             "strategy": plans[0].details["strategy"] if plans else None,
             "world_size": plans[0].details["world_size"] if plans else None,
             "spare_adopted": any(e.kind == ev.STANDBY_ADOPT for e in events),
-            "job_restart": any(e.kind == ev.RESTART_BEGIN for e in events)}
+            "job_restart": any(e.kind == ev.RESTART_BEGIN for e in events),
+            "phases": recovery_phases(events, fault_time)}
 
 
 def on_hosts(root: Path, extra: list[str], spare: bool, fault: Callable[[Hosts], float],
@@ -164,6 +168,9 @@ def main() -> None:
         detects = [record["detect_seconds"] for record in records if record["detect_seconds"] is not None]
         summary[name] = {"median_mttr_seconds": statistics.median([v for v in values if v is not None] or [0.0]),
                          "median_detect_seconds": statistics.median(detects) if detects else None,
+                         "median_phases": {phase: statistics.median(record["phases"][phase] for record in records
+                                                                    if phase in record["phases"])
+                                           for phase in {key for record in records for key in record["phases"]}},
                          "all_mttr_seconds": values, "runs": records}
     report = {"command": " ".join(["python", "bench/real_hosts.py", *sys.argv[1:]]), "kill_step": KILL_STEP,
               "freeze_at_step": FREEZE_AT_STEP, "leave_at_step": LEAVE_AT_STEP,

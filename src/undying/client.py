@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,10 @@ from undying.tls import ClientTls, controller_tls_from_environ
 # Failover jobs: old controller address -> where it moved, shared by every client of this process,
 # so a request on one thread follows a move another thread found (instead of timing out first).
 _MOVED: dict[str, str] = {}
+# The clients of this process that follow moves: when one finds a move, a request another thread has
+# in flight to the old address (an agent's long poll held by a frozen leader) is cut off, so that it
+# follows the move at once instead of at its own timeout.
+_FOLLOWERS: weakref.WeakSet[ControllerClient] = weakref.WeakSet()
 
 
 class ControllerUnreachable(ConnectionError):
@@ -58,15 +64,32 @@ class ControllerClient:
         self.locator = locator  # finds the current controller after a failover (None: fixed address)
         self.tls = tls if tls is not None else controller_tls_from_environ()
         self._conn: http.client.HTTPConnection | None = None
+        if locator is not None:
+            _FOLLOWERS.add(self)
 
     def _relocate(self) -> bool:
         """Follow the controller to its new address; True if it moved."""
         address = self.locator() if self.locator is not None else None
         if not address or address == self.address:
             return False
-        _MOVED[self.address] = address
+        old = self.address
+        _MOVED[old] = address
         self._move_to(address)
+        for other in list(_FOLLOWERS):
+            if other is not self and other.address == old:
+                other._cut_off()
         return True
+
+    def _cut_off(self) -> None:
+        """End the request another thread has in flight on this client's connection (it then fails and
+        follows the move). Only the socket is shut down: the owning thread closes the connection."""
+        connection = self._conn
+        sock = connection.sock if connection is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by its thread
 
     def _move_to(self, address: str) -> None:
         self.close()

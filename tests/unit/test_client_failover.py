@@ -8,6 +8,7 @@ import http.server
 import json
 import socket
 import threading
+import time
 
 from undying.client import ControllerClient
 
@@ -24,6 +25,56 @@ class _Answer(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+class _Cluster:
+    """A frozen leader (takes connections, never answers) and a new leader that answers."""
+
+    def __init__(self) -> None:
+        self.frozen = socket.socket()
+        self.frozen.bind(("127.0.0.1", 0))
+        self.frozen.listen(8)
+        self.accepted: list[socket.socket] = []
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+        self.leader = http.server.HTTPServer(("127.0.0.1", 0), _Answer)
+        threading.Thread(target=self.leader.serve_forever, daemon=True).start()
+        self.frozen_address = f"127.0.0.1:{self.frozen.getsockname()[1]}"
+        self.new_address = f"127.0.0.1:{self.leader.server_address[1]}"
+
+    def _accept(self) -> None:
+        self.frozen.settimeout(0.1)
+        while not self.stop.is_set():
+            try:
+                self.accepted.append(self.frozen.accept()[0])
+            except OSError:
+                continue
+
+    def close(self) -> None:
+        self.stop.set()
+        self.leader.shutdown()
+        self.frozen.close()
+        for connection in self.accepted:
+            connection.close()
+
+
+def test_a_move_one_thread_found_cuts_another_threads_request_to_the_frozen_leader_short() -> None:
+    """An agent's long poll (a long timeout) held by a frozen leader follows the move its beat thread
+    found, instead of waiting for its own timeout."""
+    cluster = _Cluster()
+    try:
+        poll = ControllerClient(cluster.frozen_address, "token", timeout=60.0, locator=lambda: cluster.new_address)
+        answers: list[object] = []
+        poller = threading.Thread(target=lambda: answers.append(poll.post("/agent/poll", {})), daemon=True)
+        poller.start()
+        while not cluster.accepted:  # the poll is in flight on the frozen leader
+            time.sleep(0.01)
+        beat = ControllerClient(cluster.frozen_address, "token", timeout=0.3, locator=lambda: cluster.new_address)
+        assert beat.post("/agent/beat", {}) == {"from": "new leader"}
+        poller.join(timeout=20)  # far below the poll's own 60 s timeout
+        assert answers == [{"from": "new leader"}] and poll.address == cluster.new_address
+    finally:
+        cluster.close()
 
 
 def test_a_request_that_timed_out_on_a_frozen_leader_goes_to_the_new_one_next() -> None:
