@@ -1,8 +1,9 @@
 """Run one function as WORLD processes on this machine and collect what each rank returns.
 
-Used by the benchmarks that time collectives between real processes (bench/commit_vote.py,
-bench/gradient_sync.py): each rank gets its index, the arguments and a free loopback port for
-its store, and puts ``(rank, result)`` on the queue it is handed.
+Used by the benchmarks that time collectives between real processes (bench/step_checks.py,
+bench/repair_memory.py, bench/studies/commit_vote.py, bench/studies/gradient_sync.py): each rank gets
+its index, the arguments and a free loopback port for its store, and puts ``(rank, result)`` on the
+queue it is handed.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
 from interleave import interleaved, medians  # noqa: E402
-from t2_pipeline import WIDTH, build  # noqa: E402
+from square_layers import WIDTH, build  # noqa: E402
 
 from undying.checkpoint import commit, latest_verified, list_committed, staging_dir, verify_files  # noqa: E402
 from undying.checkpoint.crc import crc32  # noqa: E402

@@ -2,7 +2,7 @@
 within 5 steps, and with ``straggler_strategy: switch`` its node moves to a spare at a step boundary:
 no step lost or replayed, the other ranks keep their processes, no fault, no job restart, and the
 final parameters equal the fault-free run's. (That the step rate returns to the fault-free one is a
-timing claim: bench/stragglers.py, docs/benchmarks.md.)"""
+timing claim: bench/incidents.py, its ``straggler-switch`` scenario.)"""
 
 from __future__ import annotations
 

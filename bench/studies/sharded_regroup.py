@@ -12,15 +12,15 @@ Modes (each prints one JSON line on stdout; ``--out`` also writes it):
 
     # 1. fault: rank 3 SIGKILLs itself before step 4, a fresh process takes rank 3 in generation 2,
     #    survivors swap backends without re-applying fully_shard; compared with an uninterrupted run
-    python bench/sharded_regroup.py regroup --fault kill --steps 8 --fault-step 4
+    python bench/studies/sharded_regroup.py regroup --fault kill --steps 8 --fault-step 4
     # ... without dropping the failed step's unsharded gradients: not bitwise equal (see docs/sharding.md)
-    python bench/sharded_regroup.py regroup --fault kill --no-clear-unsharded-grads
+    python bench/studies/sharded_regroup.py regroup --fault kill --no-clear-unsharded-grads
     # ... the same with a hung peer (SIGSTOP): survivors must give up within --comm-timeout
-    python bench/sharded_regroup.py regroup --fault hang --steps 8 --fault-step 4 --comm-timeout 5
+    python bench/studies/sharded_regroup.py regroup --fault hang --steps 8 --fault-step 4 --comm-timeout 5
     # 2. determinism: the same step replayed from the same state, 10 times
-    python bench/sharded_regroup.py replay --replays 10
+    python bench/studies/sharded_regroup.py replay --replays 10
     # 4. step time: swappable groups against stock init_device_mesh groups, interleaved
-    python bench/sharded_regroup.py bench --steps 40
+    python bench/studies/sharded_regroup.py bench --steps 40
 
 Runs in its own processes (a parent and 4 workers); imports examples/gpt/model.py.
 """
@@ -50,7 +50,7 @@ from torch.distributed import distributed_c10d
 
 from undying.runtime.mesh import forward_collectives  # the methods FSDP2/HSDP/DTensor call on a group
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORLD = 4
 REPLICATE, SHARD = 2, 2  # mesh [[0, 1], [2, 3]]: rows are replicas, columns are shard indices
 ABORT_POLL_S = 0.05

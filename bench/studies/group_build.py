@@ -9,7 +9,7 @@ sharing one connection block each other until the store's timeout), build two
 together (a count in the store); the figure is the slowest process's time for both groups, for each
 of ``ROUNDS`` builds, and the modes alternate ``--repeats`` times.
 
-    python bench/group_build.py --worlds 4 8 16 --repeats 2 --out bench/results/group_build.json
+    python bench/studies/group_build.py --worlds 4 8 16 --repeats 2 --out bench/results/group_build.json
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main() -> None:
             builds = [seconds for run in runs if (run["world"], run["mode"]) == (world, mode) for seconds in run["slowest_s"]]
             print(f"| {world} | {mode} | {statistics.median(builds):.4f} | {', '.join(f'{s:.3f}' for s in builds)} |")
     if args.out:
-        args.out.write_text(json.dumps({"command": "python bench/group_build.py " + " ".join(sys.argv[1:]),
+        args.out.write_text(json.dumps({"command": "python bench/studies/group_build.py " + " ".join(sys.argv[1:]),
                                         "rounds": ROUNDS, "runs": runs}, indent=1) + "\n")
 
 

@@ -6,7 +6,7 @@ Spawns WORLD gloo processes on loopback; each builds the three models (same weig
 STEPS steps of each, the three interleaved step by step so that machine noise falls on all of them
 alike. Reports the median step time of each on rank 0.
 
-    python bench/gradient_sync.py --world 4 --steps 40 --n-layer 4 --n-embd 128 --bucket-mb 1
+    python bench/studies/gradient_sync.py --world 4 --steps 40 --n-layer 4 --n-embd 128 --bucket-mb 1
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from spawn_ranks import spawn_ranks
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))  # the shared helpers
+from spawn_ranks import spawn_ranks  # noqa: E402
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> None:  # spawn_ranks' target

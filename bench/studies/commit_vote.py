@@ -8,7 +8,7 @@ Spawns WORLD gloo processes on loopback; each times STEPS rounds of
 (c) the all-reduce of the buffer alone plus a store barrier that counts the votes.
 Reports the median extra cost per step of each over a plain all-reduce.
 
-    python bench/commit_vote.py --world 4 --numel 1000000 --steps 50
+    python bench/studies/commit_vote.py --world 4 --numel 1000000 --steps 50
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ import datetime
 import json
 import multiprocessing as mp
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from spawn_ranks import spawn_ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
+from spawn_ranks import spawn_ranks  # noqa: E402
 
 
 def worker(rank: int, world: int, numel: int, steps: int, port: int, queue: mp.Queue) -> None:

@@ -12,7 +12,7 @@ the persister does. Three cases, interleaved, wall and CPU seconds of each:
   (what T2 did before);
 - ``torch.save``: the whole state in one ``torch.save`` call.
 
-    python bench/t2_pipeline.py --layers 48 --repeats 5 --out bench/results/t2_pipeline.json
+    python bench/studies/t2_pipeline.py --layers 48 --repeats 5 --out bench/results/t2_pipeline.json
 """
 
 from __future__ import annotations
@@ -29,27 +29,17 @@ from typing import Any
 import torch
 import torch.serialization
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
 from interleave import interleaved, medians  # noqa: E402
+from square_layers import build  # noqa: E402
 
 from undying.checkpoint import dcp_writer  # noqa: E402
 from undying.checkpoint.dcp_format import optimizer_param_names, write_shared_shard  # noqa: E402
 from undying.checkpoint.snapshot import RankSnapshots  # noqa: E402
 
-WIDTH = 2048  # bias-free square layers of 2048 x 2048: 4.19M parameters each (48 layers: 201M)
 CASES = ("undying", "undying, record CRCs kept", "torch.save")
-
-
-def build(layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for parameter in model.parameters():  # AdamW's own state layout, without paying for a step
-        optimizer.state[parameter] = {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(parameter),
-                                      "exp_avg_sq": torch.rand_like(parameter)}
-    return model, optimizer
 
 
 def write_with_record_crcs(staging: Path, replica: dict[str, Any], names: list[list[str]]) -> None:
