@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
+from phases import recovery_phases  # noqa: E402
 from recovery import BASE, FAULT_STEP, PROCESS, STEPS, free_port, measure_torchrun, summarize  # noqa: E402
 
 from undying import events as ev  # noqa: E402
@@ -146,6 +147,7 @@ def measure_failover(etcd: str, freeze: bool, fault: bool = True) -> dict:
             record["steps_lost"] = max(0, max(e.step for e in events if e.kind == ev.HEARTBEAT and e.generation == 1)
                                        - firsts[0].details["resumed_from"]) if freeze else \
                 FAULT_STEP - firsts[0].details["resumed_from"]
+        record["phases"] = recovery_phases(events, fault_time)
         record["restarted_processes"] = len([e for e in events if e.kind == ev.WORKER_READY and e.time > fault_time])
         record["job_restarts"] = len([e for e in events if e.kind == ev.RESTART_BEGIN])
         return record

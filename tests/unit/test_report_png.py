@@ -66,8 +66,14 @@ def test_recorded_run_has_each_recovery_with_its_phases_and_mttr():
     assert "rank 3 exited (killed by SIGKILL) at step 8 -> recover-in-place" in first.description
     assert "node 0 lost (agent gone) at step 18 -> elastic-training" in second.description
     origin = next(e.time for e in events if e.kind == ev.JOB_START)
+    # The killed rank's replacement started; the shrink started no process.
+    assert [phase.label for phase in first.phases] == ["decide", "start processes", "wait for plan", "group rebuild",
+                                                       "state transfer", "first step"]
+    assert [phase.label for phase in second.phases] == ["decide", "wait for plan", "group rebuild", "state transfer",
+                                                        "first step"]
     for recovery in (first, second):
-        assert [phase.label for phase in recovery.phases] == ["wait for plan", "rebuild + repair", "first step"]
+        for previous, phase in zip(recovery.phases, recovery.phases[1:], strict=False):
+            assert phase.start == previous.stop
         assert recovery.phases[0].start == recovery.start and recovery.phases[-1].stop == recovery.stop
         assert recovery.mttr == pytest.approx(sum(phase.seconds for phase in recovery.phases))
         # MTTR ends at the first step committed after the fault (the first logged, in a later generation).
@@ -78,7 +84,7 @@ def test_recorded_run_has_each_recovery_with_its_phases_and_mttr():
         assert recovery.stop == pytest.approx(first_step - origin)
         assert recovery.detect is not None and recovery.detect.stop == recovery.start
     # The shrink waited for node 0 to come back (3 s) before its plan.
-    assert second.phases[0].seconds > 2.5
+    assert second.phases[1].label == "wait for plan" and second.phases[1].seconds > 2.5
     assert [marker.kind for marker in data.markers] == ["failover", "elastic"]
     assert data.markers[1].label == "shrink 6 -> 4 at step 18"
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from undying import events as ev
 from undying.events import Event, heartbeat_scalars
 from undying.protocol import Phase
+from undying.report.recovery_phases import phase_bounds
 from undying.report.summary import (
     RunSummary,
     first_event,
@@ -190,26 +191,18 @@ def startup_phases(events: list[Event], origin: float) -> list[Span]:
 
 
 def recovery_spans(events: list[Event], summary: RunSummary, origin: float) -> list[RecoverySpan]:
-    """Each fault of the summary, from its detection to the first step after it, in phases: waiting
-    for the plan (or the restart), the rebuild and repair (or restore), the first step."""
+    """Each fault of the summary, from its detection to the first step after it, in phases
+    (report/recovery_phases.py)."""
     spans = []
     for number, recovery in enumerate(summary.recoveries, start=1):
         start, stop = recovery.fault_time, recovery.first_step_time
         within = [e for e in events if start <= e.time <= (stop if stop is not None else math.inf)]
-        planned = [e.time for e in within if e.kind in (ev.RECOVERY_PLAN, ev.GENERATION_START)]
-        repaired = [e.time for e in within if e.kind in (ev.RECOVERED, ev.CHECKPOINT_LOAD)]
         phases: list[Span] = []
         if stop is not None:
-            plan = max(planned) if planned else None
-            done = max((t for t in repaired if plan is None or t >= plan), default=None)
-            job_restart = any(e.kind == ev.RESTART_BEGIN for e in within)
-            bounds = [(plan, "restart" if job_restart else "wait for plan"),
-                      (done, "restore" if job_restart else "rebuild + repair"), (stop, "first step")]
             previous = start
-            for time, label in bounds:
-                if time is not None and time >= previous:
-                    phases.append(Span(previous - origin, time - origin, label))
-                    previous = time
+            for time, label in phase_bounds(within, start, stop):
+                phases.append(Span(previous - origin, time - origin, label))
+                previous = time
         description = recovery.description
         if recovery.fault_step is not None:
             description += f" at step {recovery.fault_step}"

@@ -27,8 +27,9 @@ WIDTH_IN, DPI = 14.0, 100
 RECOVERY_LINES_SHOWN = 8
 NOTE_WIDTH = 165  # characters of a note line (9 pt monospace across the figure's width)
 _STARTUP_COLORS = ("#dfe7f3", "#cbd9ee", "#b8cbe8", "#a6bde2")
-_PHASE_COLORS = {"detect": "#ececec", "wait for plan": "#f6c6c1", "restart": "#f6c6c1", "rebuild + repair": "#f9dfae",
-                 "restore": "#f9dfae", "first step": "#d4e9cf"}
+_PHASE_COLORS = {"detect": "#ececec", "decide": "#e3d3ef", "start processes": "#cfe0f3", "wait for plan": "#f6c6c1",
+                 "restart": "#f6c6c1", "group rebuild": "#fbe7c4", "state transfer": "#f9dfae", "restore": "#f9dfae",
+                 "first step": "#d4e9cf"}
 _FAULT_COLOR, _ELASTIC_COLOR, _FAILOVER_COLOR = "#d62728", "#7b3fbf", "#b8860b"
 _MARKER_COLORS = {"elastic": _ELASTIC_COLOR, "failover": _FAILOVER_COLOR, "incident": "#1f77b4"}
 _LANE_COLORS = ("#1f4e9c", "#2a7f62", "#8c3b9e", "#b35900", "#3f3f3f", "#0f7c8c", "#9c1f4e", "#5c6b00")
