@@ -288,7 +288,8 @@ class Agent:
                              check=self.check_to_send)
             try:
                 order = Order.from_dict(self.client.post(ROUTE_AGENT_POLL, poll.to_dict(),
-                                                         timeout=self.spec.monitor_interval + POLL_MARGIN))
+                                                         timeout=self.spec.monitor_interval + POLL_MARGIN,
+                                                         held=self.spec.monitor_interval))
                 unreachable_since = None
                 self.check_to_send = {}  # delivered
             except ControllerUnreachable:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
+import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +28,59 @@ _MOVED: dict[str, str] = {}
 # in flight to the old address (an agent's long poll held by a frozen leader) is cut off, so that it
 # follows the move at once instead of at its own timeout.
 _FOLLOWERS: weakref.WeakSet[ControllerClient] = weakref.WeakSet()
+# A request in flight this much longer than the controller may hold it is stuck (a frozen leader
+# accepts connections and never answers): a thread of the process then asks etcd every WATCH_EVERY
+# seconds whether the controller moved, and cuts such requests off once it has. A long poll names
+# how long it may be held (``held``); the process's short requests (heartbeats) are the canaries.
+STUCK_AFTER_S = 1.0
+WATCH_EVERY_S = 0.5
+_watcher_lock = threading.Lock()
+_watcher: threading.Thread | None = None
+
+
+def _cut_off_moved(old: str, new: str, found_by: ControllerClient | None = None) -> None:
+    """The controller at ``old`` moved to ``new``: every client of this process follows it, and the
+    requests in flight to ``old`` are cut off so that they follow it at once."""
+    _MOVED[old] = new
+    for other in list(_FOLLOWERS):
+        if other is not found_by and other.address == old:
+            other._cut_off()
+
+
+def _watch_for_moves() -> None:
+    """The process's move watcher (a daemon thread, started with its first following client)."""
+    while True:
+        time.sleep(WATCH_EVERY_S)
+        now = time.monotonic()
+        stuck: dict[str, ControllerClient] = {}
+        for client in list(_FOLLOWERS):
+            since = client._in_flight_since
+            if since is not None and now - since > client._held + STUCK_AFTER_S and client.address not in _MOVED:
+                stuck.setdefault(client.address, client)
+        for address, client in stuck.items():
+            try:
+                moved_to = client.locator() if client.locator is not None else None
+            except Exception:  # noqa: BLE001 (etcd unreachable: look again at the next round)
+                continue
+            if moved_to and moved_to != address:
+                _cut_off_moved(address, moved_to)
+
+
+def _start_watcher() -> None:
+    global _watcher
+    with _watcher_lock:
+        if _watcher is None:
+            _watcher = threading.Thread(target=_watch_for_moves, name="controller-move-watcher", daemon=True)
+            _watcher.start()
+
+
+def _after_fork_in_child() -> None:
+    """A forked process (a worker forked from a warm standby) has no watcher thread: start its own."""
+    global _watcher, _watcher_lock
+    _watcher, _watcher_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ControllerUnreachable(ConnectionError):
@@ -64,8 +120,11 @@ class ControllerClient:
         self.locator = locator  # finds the current controller after a failover (None: fixed address)
         self.tls = tls if tls is not None else controller_tls_from_environ()
         self._conn: http.client.HTTPConnection | None = None
+        self._in_flight_since: float | None = None  # monotonic start of the request in flight, if any
+        self._held = 0.0  # how long the controller may hold that request (a long poll's wait)
         if locator is not None:
             _FOLLOWERS.add(self)
+            _start_watcher()
 
     def _relocate(self) -> bool:
         """Follow the controller to its new address; True if it moved."""
@@ -73,11 +132,8 @@ class ControllerClient:
         if not address or address == self.address:
             return False
         old = self.address
-        _MOVED[old] = address
         self._move_to(address)
-        for other in list(_FOLLOWERS):
-            if other is not self and other.address == old:
-                other._cut_off()
+        _cut_off_moved(old, address, found_by=self)
         return True
 
     def _cut_off(self) -> None:
@@ -117,8 +173,17 @@ class ControllerClient:
             self._conn.close()
             self._conn = None
 
-    def request(self, method: str, path: str, payload: Any = None, timeout: float | None = None) -> Any:
-        """Send one request; returns the decoded JSON (or text for non-JSON replies)."""
+    def request(self, method: str, path: str, payload: Any = None, timeout: float | None = None,
+                held: float = 0.0) -> Any:
+        """Send one request; returns the decoded JSON (or text for non-JSON replies). ``held``: how
+        long the controller may hold it before answering (a long poll)."""
+        self._held, self._in_flight_since = held, time.monotonic()
+        try:
+            return self._request(method, path, payload, timeout)
+        finally:
+            self._in_flight_since = None
+
+    def _request(self, method: str, path: str, payload: Any, timeout: float | None) -> Any:
         body = None if payload is None else json.dumps(payload).encode()
         headers = {
             TOKEN_HEADER: f"{TOKEN_SCHEME} {self.token}",
@@ -156,8 +221,8 @@ class ControllerClient:
             return json.loads(data)
         return data.decode()
 
-    def post(self, path: str, payload: Any, timeout: float | None = None) -> Any:
-        return self.request("POST", path, payload, timeout)
+    def post(self, path: str, payload: Any, timeout: float | None = None, held: float = 0.0) -> Any:
+        return self.request("POST", path, payload, timeout, held)
 
     def get(self, path: str, timeout: float | None = None) -> Any:
         return self.request("GET", path, None, timeout)

@@ -108,3 +108,24 @@ def test_a_request_that_timed_out_on_a_frozen_leader_goes_to_the_new_one_next() 
         frozen.close()
         for connection in accepted:
             connection.close()
+
+
+def test_a_request_stuck_on_a_frozen_leader_follows_the_move_the_watcher_finds() -> None:
+    """No other thread of the process asks: the process's move watcher sees the request in flight
+    for longer than it may be held, asks where the controller is, and cuts it off once it moved."""
+    cluster = _Cluster()
+    try:
+        located: list[str | None] = [None]  # the new leader is not published yet
+        client = ControllerClient(cluster.frozen_address, "token", timeout=60.0, locator=lambda: located[0])
+        answers: list[object] = []
+        requester = threading.Thread(target=lambda: answers.append(client.post("/worker/heartbeat", {})), daemon=True)
+        requester.start()
+        while not cluster.accepted:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        assert not answers  # still held by the frozen leader
+        located[0] = cluster.new_address  # the takeover is published
+        requester.join(timeout=20)  # far below the request's own 60 s timeout
+        assert answers == [{"from": "new leader"}] and client.address == cluster.new_address
+    finally:
+        cluster.close()

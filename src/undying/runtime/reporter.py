@@ -180,7 +180,7 @@ class Reporter:
         while True:
             try:
                 plan = Plan.from_dict(self._client.post(ROUTE_WORKER_RECOVER, request.to_dict(),
-                                                        timeout=request.wait + 3.0))
+                                                        timeout=request.wait + 3.0, held=request.wait))
             except ControllerUnreachable:
                 time.sleep(0.2)
                 continue
