@@ -239,7 +239,8 @@ class StepTransaction:
         (a DDP model's), all of its own (a sharded model's local shards)."""
         replicated = [model for model in self.state.models if isinstance(model, FixedLayoutDDP)]
         own = [model for model in self.state.models if not isinstance(model, FixedLayoutDDP)]
-        return [*gradients_of(replicated, (group.rank, group.world_size)), *gradients_of(own)]
+        shared = gradients_of(replicated, (group.rank, group.world_size)) if replicated else []
+        return [*shared, *gradients_of(own)]
 
     def step_raised(self, error: BaseException | None) -> bool:
         """The ``with step:`` guard saw the body end; True suppresses its exception (the step is re-run).
