@@ -225,6 +225,14 @@ class Order(Message):
     # OrderKind.EXIT: the job's exit code (0 succeeded, 1 failed, 2 refused, 75 stopped, 130
     # cancelled), which every node's undying run exits with; -1: not the job's end (or not said).
     exit_code: int = -1
+    # The agent does not hold its node's place (the controller does not know it, declared the node
+    # lost, or gave the place to another): it stops its workers and says hello again.
+    say_hello: bool = False
+
+
+def hello_order() -> Order:
+    """The order that tells an agent to stop its workers and say hello again (``Order.say_hello``)."""
+    return Order(kind=OrderKind.NONE, reason="hello", say_hello=True)
 
 
 @dataclass

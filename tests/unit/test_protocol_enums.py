@@ -19,6 +19,7 @@ from undying.protocol import (
     PlanAction,
     WorkerState,
     WorkerStatus,
+    hello_order,
 )
 from undying.strategy_names import StrategyName
 
@@ -70,3 +71,22 @@ def test_a_plan_without_a_strategy():
 def test_defaults_encode_as_strings():
     assert json.loads(json.dumps(Order().to_dict()))["kind"] == "none"
     assert json.loads(json.dumps(Plan().to_dict()))["action"] == "wait"
+
+
+def test_say_hello_is_its_own_field_on_the_wire():
+    wire = json.loads(json.dumps(hello_order().to_dict()))
+    assert (wire["kind"], wire["say_hello"]) == ("none", True)
+    assert Order.from_dict(wire).say_hello
+    # A reason is words for people: an order whose reason reads "hello" tells the agent nothing.
+    assert not Order.from_dict({"kind": "stop", "reason": "hello"}).say_hello
+    assert json.loads(json.dumps(Order().to_dict()))["say_hello"] is False
+
+
+def test_an_agent_that_holds_no_place_is_told_to_say_hello(make_job):
+    job = make_job(nnodes=2, nproc_per_node=2)
+    assert job.poll(0).say_hello  # no node said hello yet
+    orders = job.start_running()
+    assert not any(order.say_hello for order in orders)
+    assert not job.poll(1, 1, job.statuses(1, 1)).say_hello
+    job.controller.report_agent_exit(1, -9)
+    assert job.poll(1).say_hello  # its place is lost: its agent must stop its workers and say hello
