@@ -305,7 +305,7 @@ class Agent:
                 print(f"undying agent {self.node}: no exit order within stop_timeout "
                       f"({self.spec.stop_timeout:g} s) of the stop: stopping", file=sys.stderr, flush=True)
                 return EXIT_CANCELLED
-            if order.reason == "hello" and order.kind != OrderKind.EXIT:
+            if order.say_hello and order.kind != OrderKind.EXIT:
                 self._stop_workers(grace=0.0)
                 self._hello()
             elif order.kind == OrderKind.START:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from undying import events as ev
@@ -31,7 +32,7 @@ def print_event(event: Event) -> None:
         f"gen {event.generation}" if event.generation is not None else "") if part)
     stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
     details = event.details
-    text = {
+    describers: dict[str, Callable[[], str]] = {
         ev.FAULT_DETECTED: lambda: f"FAULT {details.get('description')}",
         ev.DECISION: lambda: f"decision: {details.get('strategy')} ({details.get('reason')})",
         ev.GENERATION_START: lambda: f"generation started, world size {details.get('world_size')}",
@@ -59,7 +60,8 @@ def print_event(event: Event) -> None:
         ev.AUTH_REFUSED: lambda: (f"refused a client without the job token"
                                   f"{' at the store' if details.get('service') == 'store' else ''} "
                                   f"({details.get('client')}{': ' + str(details['why']) if details.get('why') else ''})"),
-    }.get(event.kind)
+    }
+    text = describers.get(event.kind)
     if event.kind in INCIDENT_KINDS:
         text = lambda: describe_incident(event.kind, event.step, event.rank, event.node, details)  # noqa: E731
     if text is not None and (event.kind != ev.CHECKPOINT_LOAD or event.rank == 0):

@@ -6,7 +6,8 @@ wrong one (a rank that is a string, a step that is a list, a node that is null) 
 it arrives, with one line naming the field, not fail later inside the job machine, half applied.
 
 Checked: ``int`` (not bool), ``float`` (int or float), ``str``, ``bool``, ``Any``,
-``X | None``, ``list[X]``, ``dict[str, X]``; anything else is accepted as it comes.
+``X | None``, ``list[X]``, ``dict[str, X]``, a ``StrEnum`` (one of its values, which
+``decode_fields`` turns into the member) and ``Literal`` strings; anything else is accepted as it comes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import functools
 import types
 import typing
-from typing import Any
+from enum import StrEnum
+from typing import Any, Literal
 
 
 def check_fields(cls: type, values: dict[str, Any]) -> None:
@@ -26,14 +28,44 @@ def check_fields(cls: type, values: dict[str, Any]) -> None:
             raise ValueError(f"{cls.__name__}.{name}: expected {_describe(expected)}, got {value!r:.80}")
 
 
+def decode_fields(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` checked (``check_fields``), with each value of an enum field as its member: a
+    ``Phase`` field holds ``Phase.COMPUTING``, not the string the JSON had."""
+    check_fields(cls, values)
+    for name, enum in _enum_fields(cls):
+        if name in values and not isinstance(values[name], enum) and values[name] in enum._value2member_map_:
+            values[name] = enum(values[name])
+    return values
+
+
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+@functools.cache
+def _enum_fields(cls: type) -> tuple[tuple[str, type[StrEnum]], ...]:
+    """The fields whose type is a StrEnum, alone or beside a Literal or None (``StrategyName | Literal[""]``)."""
+    found = []
+    for name, hint in _hints(cls).items():
+        options = typing.get_args(hint) if typing.get_origin(hint) in (types.UnionType, typing.Union) else (hint,)
+        enums = [option for option in options if _is_enum(option)]
+        if len(enums) == 1:
+            found.append((name, enums[0]))
+    return tuple(found)
+
+
+def _is_enum(expected: Any) -> bool:
+    return isinstance(expected, type) and issubclass(expected, StrEnum)
+
+
 def _matches(value: Any, expected: Any) -> bool:
     if expected is Any:
         return True
+    if _is_enum(expected):
+        return isinstance(value, str) and value in expected._value2member_map_
+    if typing.get_origin(expected) is Literal:
+        return any(type(value) is type(option) and value == option for option in typing.get_args(expected))
     origin = typing.get_origin(expected)
     if origin in (types.UnionType, typing.Union):
         return any(_matches(value, option) for option in typing.get_args(expected))
@@ -57,4 +89,11 @@ def _matches(value: Any, expected: Any) -> bool:
 
 
 def _describe(expected: Any) -> str:
-    return getattr(expected, "__name__", None) if typing.get_origin(expected) is None else str(expected)  # type: ignore[return-value]
+    origin = typing.get_origin(expected)
+    if _is_enum(expected):
+        return "one of " + ", ".join(member.value for member in expected)
+    if origin is Literal:
+        return " or ".join(repr(option) for option in typing.get_args(expected))
+    if origin in (types.UnionType, typing.Union) and any(_is_enum(option) for option in typing.get_args(expected)):
+        return " or ".join("null" if option is type(None) else _describe(option) for option in typing.get_args(expected))
+    return getattr(expected, "__name__", None) if origin is None else str(expected)  # type: ignore[return-value]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
-from undying.field_types import check_fields
+from undying.field_types import decode_fields
+from undying.strategy_names import StrategyName
 
 # 2: a plan's and an order's rank lists travel as runs (``encode_runs``), not rank by rank.
 # 3: a heartbeat carries ``max_steps`` (the console's step of total) and ``scalars`` (ft.log) instead of ``loss``.
@@ -106,7 +107,9 @@ def decode_runs(runs: Any, name: str) -> list[int]:
 
 class Message:
     """Base of every message: plain dataclass <-> dict, unknown keys ignored (forward compatible).
-    Fields named in ``RUN_FIELDS`` (lists of ranks) travel as ``<field>_runs`` (``encode_runs``)."""
+    Fields named in ``RUN_FIELDS`` (lists of ranks) travel as ``<field>_runs`` (``encode_runs``).
+    A field typed with an enum (``Phase``, ``OrderKind``, ...) travels as its value, a string, and
+    is that enum's member once decoded; a value outside the enum is refused where it arrives."""
 
     RUN_FIELDS: ClassVar[tuple[str, ...]] = ()
 
@@ -122,14 +125,14 @@ class Message:
     @classmethod
     def from_dict(cls: type[M], data: dict[str, Any]) -> M:
         """The message ``data`` holds; ValueError naming the field whose value is not of its type
-        (field_types.py), TypeError when a required field is missing."""
+        or, for an enum field, not one of its values (field_types.py), TypeError when a required
+        field is missing."""
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
         values = {k: v for k, v in data.items() if k in names}
         for name in cls.RUN_FIELDS:
             if f"{name}_runs" in data:
                 values[name] = decode_runs(data[f"{name}_runs"], f"{cls.__name__}.{name}_runs")
-        check_fields(cls, values)
-        return cls(**values)
+        return cls(**decode_fields(cls, values))
 
 
 def _copied(value: Any) -> Any:
@@ -172,7 +175,7 @@ class WorkerStatus(Message):
     local_rank: int
     pid: int
     generation: int
-    state: str  # a WorkerState
+    state: WorkerState
     exitcode: int | None = None
     signal: str | None = None
     # An exit with a non-zero code or a signal: the exception line of its log's last traceback ("" if
@@ -208,7 +211,7 @@ class AgentLeave(Message):
 class Order(Message):
     RUN_FIELDS: ClassVar[tuple[str, ...]] = ("members",)
 
-    kind: str = OrderKind.NONE
+    kind: OrderKind = OrderKind.NONE
     generation: int = 0
     ranks: list[int] = field(default_factory=list)
     world_size: int = 0
@@ -222,6 +225,14 @@ class Order(Message):
     # OrderKind.EXIT: the job's exit code (0 succeeded, 1 failed, 2 refused, 75 stopped, 130
     # cancelled), which every node's undying run exits with; -1: not the job's end (or not said).
     exit_code: int = -1
+    # The agent does not hold its node's place (the controller does not know it, declared the node
+    # lost, or gave the place to another): it stops its workers and says hello again.
+    say_hello: bool = False
+
+
+def hello_order() -> Order:
+    """The order that tells an agent to stop its workers and say hello again (``Order.say_hello``)."""
+    return Order(kind=OrderKind.NONE, reason="hello", say_hello=True)
 
 
 @dataclass
@@ -258,8 +269,8 @@ class Plan(Message):
 
     RUN_FIELDS: ClassVar[tuple[str, ...]] = ("members", "receivers", "holders")
 
-    action: str = PlanAction.WAIT
-    strategy: str = ""
+    action: PlanAction = PlanAction.WAIT
+    strategy: StrategyName | Literal[""] = ""  # "": none (a wait, or an exit from the job)
     generation: int = 0
     world_size: int = 0
     target_step: int = 0  # the committed step everyone resumes from
@@ -283,7 +294,7 @@ class Heartbeat(Message):
     node: int
     generation: int
     step: int  # committed steps so far
-    phase: str
+    phase: Phase
     pid: int
     # The newest value of each scalar the worker logged (``ft.log(loss=..., lr=...)``): name -> value.
     scalars: dict[str, float] = field(default_factory=dict)

@@ -39,6 +39,7 @@ from undying.protocol import (
     RecoverRequest,
     WorkerState,
     WorkerStatus,
+    hello_order,
 )
 
 JOB_ID = "job-test"
@@ -111,7 +112,7 @@ class MachineController:
     def poll(self, poll: AgentPoll) -> Order:
         node = self._apply(lambda now: self.machine.agent_report(now, poll))
         if node is None:
-            return Order(kind=OrderKind.NONE, reason="hello")
+            return hello_order()
         self.run_until(lambda: bool(node.orders) or not node.alive, min(poll.wait, LONGEST_HOLD))
         return self._apply(lambda now: self.machine.take_order(now, node))
 
@@ -231,7 +232,7 @@ class Job:
             order = self.poll(node, generation, workers, wait=0.1)
             if order.kind != OrderKind.NONE or self.now() > deadline:
                 return order
-            if order.reason == "hello":
+            if order.say_hello:
                 self.advance(0.1)  # an agent told to say hello does not hold the poll open
 
     def start_running(self) -> list[Order]:

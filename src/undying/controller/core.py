@@ -39,6 +39,7 @@ from undying.protocol import (
     Plan,
     PlanAction,
     RecoverRequest,
+    hello_order,
 )
 from undying.root_probe import take_probe
 
@@ -209,7 +210,7 @@ class Controller:
             self._check_in_charge()
             node = self._apply(lambda now: self.machine.agent_report(now, poll), News.IF_EFFECTS)
             if node is None:
-                return Order(kind=OrderKind.NONE, reason="hello")
+                return hello_order()
             while not node.orders and node.alive:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -217,7 +218,7 @@ class Controller:
                 self._cond.wait(min(remaining, PEER_CHECK))
                 if connected is not None and not connected():
                     self._apply(lambda now: self.machine.agent_disconnected(now, poll.node, poll.pid))
-                    return Order(kind=OrderKind.NONE, reason="hello")
+                    return hello_order()
             self._check_in_charge()  # orders queued by a controller that lost its lease are not handed out
             order = self._apply(lambda now: self.machine.take_order(now, node), News.IF_EFFECTS)
             if order.kind != OrderKind.NONE:

@@ -15,6 +15,7 @@ size.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,7 +220,7 @@ def _seconds(value: Any) -> float | None:
 def _line(event: Event) -> dict[str, Any]:
     """One of the latest faults and recoveries, in words."""
     details = event.details
-    text = {
+    describers: dict[str, Callable[[], str]] = {
         ev.FAULT_DETECTED: lambda: f"FAULT {details.get('description') or details.get('reason')}",
         ev.DECISION: lambda: f"decision: {details.get('strategy')} ({details.get('reason')})",
         ev.RECOVERY_FAILED: lambda: f"recovery failed ({details.get('strategy')}): {details.get('why')}",
@@ -232,6 +233,8 @@ def _line(event: Event) -> dict[str, Any]:
         ev.CHECKPOINT_CORRUPT: lambda: f"skipped corrupt checkpoint {details.get('path')}",
         ev.HANG_SUSPECTED: lambda: f"hang suspected on rank {event.rank} (not acted on)",
         ev.JOB_END: lambda: f"job {details.get('outcome')}: {details.get('message')}",
-    }.get(event.kind, lambda: describe_incident(event.kind, event.step, event.rank, event.node, details))()
+    }
+    text = describers.get(event.kind, lambda: describe_incident(event.kind, event.step, event.rank, event.node,
+                                                                details))()
     return {"time": event.time, "kind": event.kind, "generation": event.generation, "step": event.step,
             "rank": event.rank, "node": event.node, "text": text}

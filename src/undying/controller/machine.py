@@ -54,6 +54,7 @@ from undying.protocol import (
     PlanAction,
     RecoverRequest,
     WorkerStatus,
+    hello_order,
 )
 from undying.root_probe import refusal as unshared_root
 from undying.strategy_names import StrategyName
@@ -212,7 +213,7 @@ class JobMachine:
         self.now = now
         node.last_seen = now
         if not node.alive:
-            return Order(kind=OrderKind.NONE, reason="hello")
+            return hello_order()
         order = node.orders.popleft() if node.orders else Order()
         if order.kind == OrderKind.EXIT:
             node.exit_delivered = True

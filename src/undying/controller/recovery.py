@@ -50,7 +50,7 @@ class ActiveRecovery:
         return len(self.members)
 
     @property
-    def action(self) -> str:
+    def action(self) -> PlanAction:
         if self.strategy == StrategyName.STOP:
             return PlanAction.PERSIST
         return PlanAction.DUMP if self.strategy == StrategyName.DUMP else PlanAction.RESUME

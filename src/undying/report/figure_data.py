@@ -95,7 +95,7 @@ class FigureData:
 
 
 # An incident's marker reads this (the report's text and the notes beneath the panels say the whole line).
-INCIDENT_LABELS = {ev.STRAGGLER: "straggler", ev.SWITCH_BEGIN: "switch", ev.BAD_STEP: "bad step",
+INCIDENT_LABELS: dict[str, str] = {ev.STRAGGLER: "straggler", ev.SWITCH_BEGIN: "switch", ev.BAD_STEP: "bad step",
                    ev.NODE_CHECK_FAILED: "check failed", ev.COMMIT_DRAIN: "commit kept"}
 
 

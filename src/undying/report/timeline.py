@@ -285,7 +285,7 @@ def _vertical_markers(svg: SvgDrawing, events: list[Event], x_of: Callable[[floa
     and the fault it causes a moment later do not cover each other. A label that would
     overlap the previous one in its row is left out (the line stays).
     """
-    rows = {INJECTION: plot_top - 22, FAULT_DETECTED: plot_top - 8, ELASTIC_SHRINK: plot_top - 36,
+    rows: dict[str, float] = {INJECTION: plot_top - 22, FAULT_DETECTED: plot_top - 8, ELASTIC_SHRINK: plot_top - 36,
             ELASTIC_GROW: plot_top - 36}
     rows[CONTROLLER_LEADER] = plot_top - 36  # a takeover shares the elastic row
     row_end = {kind: -math.inf for kind in rows}

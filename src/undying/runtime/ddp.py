@@ -67,7 +67,7 @@ class FixedLayoutDDP(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, group_of: Callable[[], GenerationGroup],
                  device: torch.device, broadcast: bool = True,
                  ready_to_sync: Callable[[], bool] = lambda: True,
-                 set_phase: Callable[[str], None] = lambda _phase: None,
+                 set_phase: Callable[[Phase], None] = lambda _phase: None,
                  options: DDPOptions | None = None,
                  before_extra_round: Callable[[], bool] = lambda: True,
                  in_gradient_sync: Callable[[], None] = lambda: None) -> None:

@@ -40,7 +40,7 @@ class CommitOptimizer(torch.optim.Optimizer):
 
     # Optimizer.__init__ is not called: there are no parameters of this object's own to group.
     def __init__(self, optimizer: torch.optim.Optimizer, sync_gradients: Callable[[], bool],
-                 set_phase: Callable[[str], None], before_step: Callable[[], None] = lambda: None,
+                 set_phase: Callable[[Phase], None], before_step: Callable[[], None] = lambda: None,
                  before_update: Callable[[], None] = lambda: None) -> None:
         self.optimizer = optimizer
         self._sync_gradients = sync_gradients

@@ -50,7 +50,7 @@ class Reporter:
         self.generation = generation
         self.interval = interval
         self.step = 0
-        self.phase: str = Phase.STARTING
+        self.phase = Phase.STARTING
         self.scalars: dict[str, float] = {}  # the newest value of each name the script logged (ft.log)
         self.mesh_shard = 0  # set by ft.device_mesh: the controller shrinks a sharded job by whole replicas
         self.max_steps = 0  # set by ft.steps(n): the console shows the step of n
@@ -80,7 +80,7 @@ class Reporter:
         """Is there a controller to report to (False in a standalone run)?"""
         return self._client is not None
 
-    def update(self, step: int | None = None, phase: str | None = None,
+    def update(self, step: int | None = None, phase: Phase | None = None,
                scalars: dict[str, float] | None = None) -> None:
         if step is not None and step != self.step:
             self.step = step
@@ -96,7 +96,7 @@ class Reporter:
     def beat_now(self) -> None:
         self._wake.set()
 
-    def report_now(self, step: int, phase: str) -> None:
+    def report_now(self, step: int, phase: Phase) -> None:
         """Set ``step`` and ``phase`` and send them from the calling thread, answered before this
         returns. Used once a worker has restored its state: the controller then knows it before
         any step of the generation can commit (a commit needs every rank), where the heartbeat

@@ -125,7 +125,7 @@ class StepTransaction:
             self.failure = "the controller aborted this generation"
         return self.failure
 
-    def set_phase(self, phase: str) -> None:
+    def set_phase(self, phase: Phase) -> None:
         self.reporter.update(phase=phase)
 
     def batches_taken(self) -> bool:
