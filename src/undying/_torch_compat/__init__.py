@@ -5,9 +5,10 @@ tools that read checkpoints). Everything else in undying uses torch's public API
 functions and constants here; a torch upgrade that moves an internal breaks one function here and one
 named test in tests/unit/test_torch_compat.py, not a path somewhere in the runtime.
 
-Known to work with: torch 2.13.0 (CPU wheel, gloo; what CI installs and runs these tests on). The
-NCCL and CUDA-only entries (``set_backend_timeout`` on NCCL options, ``pin_host_range``) are written
-for torch's CUDA build and tested here only where that build is installed.
+Known to work with: torch 2.13.0 (CPU wheel, gloo; what CI installs and runs these tests on), the
+one version pyproject.toml declares; other versions are untested. The NCCL and CUDA-only entries
+(``set_backend_timeout`` on NCCL options, ``pin_host_range``) are written for torch's CUDA build and
+exercised by their tests only where that build is installed.
 
 By concern (each function's docstring says what it needs and why the public API does not give it):
 
