@@ -40,10 +40,12 @@ from undying.procs import die_with_parent
 
 def _preload() -> None:
     import torch  # noqa: F401 - the point is to have paid for the import
-    import torch._dynamo  # noqa: F401 - imported lazily by the first optimizer step otherwise
     import torch.distributed  # noqa: F401
 
     import undying.runtime.core  # noqa: F401
+    from undying._torch_compat.training import import_dynamo
+
+    import_dynamo()  # imported lazily by the first optimizer step otherwise
 
 
 # Device files a GPU driver opens when it initialises (NVIDIA's, AMD's ROCm): only mapping a driver

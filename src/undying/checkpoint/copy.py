@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from undying._torch_compat.tensors import foreach_copy
+
 
 def updated_only_by(optimizers: Iterable[Any]) -> Callable[[torch.Tensor], bool]:
     """True for a tensor whose storage is a parameter one of ``optimizers`` updates, or that
@@ -40,7 +42,7 @@ def copy_now(views: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> 
     if not views:
         return
     if all(tensor.device.type == "cpu" for tensor in tensors):
-        torch._foreach_copy_(list(views), list(tensors))
+        foreach_copy(views, tensors)
         return
     for view, tensor in zip(views, tensors, strict=True):
         view.copy_(tensor)  # device-to-host for a GPU job's tensors

@@ -177,8 +177,7 @@ def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False, keys: s
 
     Raises ``CorruptCheckpoint`` if the bytes do not match or DCP cannot read them.
     """
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+    from undying._torch_compat.dcp import load_without_process_group
     from undying.checkpoint.dcp_reader import AdoptingPlanner, reader_for
 
     names = [record.name for record in ckpt.manifest.files
@@ -187,8 +186,7 @@ def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False, keys: s
         verify_files(ckpt, names)
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=reader_for(ckpt.path),
-                         planner=AdoptingPlanner(keys=keys), no_dist=True)
+        load_without_process_group(state, reader_for(ckpt.path), AdoptingPlanner(keys=keys))
         return from_dcp(state)
     except Exception as error:  # noqa: BLE001 - any failure to parse verified bytes means unusable
         raise CorruptCheckpoint(f"{ckpt.path}: DCP shard unreadable ({error!r})") from error

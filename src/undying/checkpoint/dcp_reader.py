@@ -29,32 +29,33 @@ from __future__ import annotations
 import functools
 import io
 import threading
-from typing import IO, Any, cast
+from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
+from undying._torch_compat.dcp import (
+    EmptyStateDictLoadPlanner,
+    FsspecReader,
+    file_view,
+    narrow_tensor_by_index,
+    set_element,
+)
 from undying.checkpoint.side_by_side import side_by_side
 from undying.checkpoint.storage import Location, is_url
 
 READ_THREADS = 4  # data files read at once: a shared shard has one or two, a sharded checkpoint one per rank
 
 
-class AdoptingPlanner(_EmptyStateDictLoadPlanner):
+class AdoptingPlanner(EmptyStateDictLoadPlanner):
     """Rebuilds the saved state dict from the metadata (DCP's empty-state-dict planner) and takes a
     tensor read whole as the value itself, in place of the placeholder it allocated for it."""
 
     def adopt(self, read_item: ReadItem, tensor: torch.Tensor) -> bool:
         """Take ``tensor`` as the value ``read_item`` names, if it is the whole of it (not one chunk of
         a tensor saved in several) with its dtype and owns exactly its own bytes; False: copy it."""
-        from torch.distributed.checkpoint._traverse import set_element
-
         placeholder = self.lookup_tensor(read_item.dest_index)
         owned = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
         if placeholder.size() != tensor.size() or placeholder.dtype != tensor.dtype or not owned:
@@ -92,7 +93,7 @@ class ParallelReads:
         with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
             for read_item in items:
                 stored = self.storage_data[read_item.storage_index]
-                view = cast(IO[bytes], _create_file_view(stream, stored.offset, stored.length))
+                view = file_view(stream, stored.offset, stored.length)
                 source = self.transforms.transform_load_stream(read_item, stored.transform_descriptors or (), view)
                 if read_item.type == LoadItemType.BYTE_IO:
                     data = io.BytesIO(source.read(-1))

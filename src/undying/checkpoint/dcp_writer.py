@@ -158,7 +158,8 @@ def checksummed_writer(staging: Location, thread_count: int = 1,
     """
     # Imported here, not at module load: torch.distributed.checkpoint costs every worker ~1.6 s of import.
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from undying._torch_compat.dcp import FsspecWriter
 
     if thread_count < 1:
         raise ValueError(f"thread_count must be >= 1, got {thread_count}")
@@ -208,17 +209,13 @@ def _leave_out_record_crcs_in_checksummed_streams() -> None:
     stream open, and asks the original everywhere else. ``torch.load`` reads records either way.
     Where torch has no such getter, nothing changes (each record keeps its CRC).
     """
-    import torch.serialization as serialization
+    from undying._torch_compat.tensors import skip_record_crcs_when
 
-    original = getattr(serialization, "get_crc32_options", None)
-    if original is None or getattr(original, "undying_wrapped", False):
-        return
+    skip_record_crcs_when(_writing_checksummed_stream)
 
-    def get_crc32_options() -> bool:
-        return False if getattr(_writing, "streams", 0) else bool(original())
 
-    get_crc32_options.undying_wrapped = True  # type: ignore[attr-defined]
-    serialization.get_crc32_options = get_crc32_options
+def _writing_checksummed_stream() -> bool:
+    return bool(getattr(_writing, "streams", 0))
 
 
 def _name(path: str | os.PathLike[str]) -> str:

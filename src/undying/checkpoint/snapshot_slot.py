@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from undying._torch_compat.tensors import pin_host_range, unpin_host_range
 from undying.checkpoint.crc import crc32
 
 MAGIC = b"UNDYSNAP"
@@ -141,18 +142,14 @@ class Slot:
         once per mapping. Raises RuntimeError if CUDA refuses."""
         if self._page_locked is not None or self._mm is None:
             return
-        from torch.cuda import _pin_memory_utils
-
         address = torch.frombuffer(self._mm, dtype=torch.uint8, count=1).data_ptr()
-        _pin_memory_utils.pin_memory(address, self.size)
+        pin_host_range(address, self.size)
         self._page_locked = address
 
     def _unlock_pages(self) -> None:
         address, self._page_locked = self._page_locked, None
         if address is not None:
-            from torch.cuda import _pin_memory_utils
-
-            _pin_memory_utils.unpin_memory(address)
+            unpin_host_range(address)
 
     def lay_out(self, layout: list[tuple[int, torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
         """Views of the data region laid out as ``layout``; built once per layout, then reused."""

@@ -14,6 +14,8 @@ from typing import Any, cast
 
 import torch
 
+from undying._torch_compat.tensors import copy_state_dict_metadata
+
 
 @dataclass(frozen=True)
 class TensorRef:
@@ -51,9 +53,7 @@ def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
         copied = OrderedDict() if isinstance(value, OrderedDict) else {}
         for key, item in value.items():
             copied[key] = _map_leaves(item, leaf)
-        metadata = getattr(value, "_metadata", None)
-        if metadata is not None:
-            copied._metadata = metadata  # type: ignore[attr-defined]
+        copy_state_dict_metadata(value, copied)
         return copied
     if isinstance(value, list):
         return [_map_leaves(item, leaf) for item in value]
@@ -78,9 +78,7 @@ def copy_into(source: Any, live: Any) -> Any:
         copied = OrderedDict() if isinstance(source, OrderedDict) else {}
         for key, item in source.items():
             copied[key] = copy_into(item, live.get(key) if isinstance(live, dict) else None)
-        metadata = getattr(source, "_metadata", None)
-        if metadata is not None:
-            copied._metadata = metadata  # type: ignore[attr-defined]
+        copy_state_dict_metadata(source, copied)
         return copied
     if isinstance(source, (list, tuple)):
         same_shape = isinstance(live, (list, tuple)) and len(live) == len(source)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from undying import events as ev
+from undying._torch_compat.training import compiled_original
 from undying.checkpoint.storage import list_committed
 from undying.config import JobSpec
 from undying.data import ResumableLoader
@@ -173,7 +174,7 @@ class Runtime:
         takes DDP's constructor arguments (``broadcast_buffers``, ``find_unused_parameters``,
         ``bucket_cap_mb``, ...; runtime/ddp_options.py says which, and refuses the others in one line)."""
         wrapped_already = [wrapped.module for wrapped in self.state.models]
-        if any(model is module or getattr(model, "_orig_mod", None) is module for module in wrapped_already):
+        if any(model is module or compiled_original(model) is module for module in wrapped_already):
             raise ValueError(f"ft.wrap_model: this {type(model).__name__} is already wrapped; wrap each model once")
         if self.state.sharded or is_sharded(model):
             if ddp_kwargs:

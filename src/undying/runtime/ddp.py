@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map_only
 
+from undying._torch_compat.tensors import map_tensors
+from undying._torch_compat.training import compiled_original, queue_backward_callback
 from undying.protocol import Phase
 from undying.runtime.ddp_buckets import Bucket, CommHook, stock_hook
 from undying.runtime.ddp_buffers import BufferSync, broadcast_tensors
@@ -78,8 +79,9 @@ class FixedLayoutDDP(torch.nn.Module):
         self.options = options = options or DDPOptions()
         # A torch.compile'd model trains through its compiled wrapper, but its state (checkpoints,
         # the repair, digests) is the plain module's: keys without "_orig_mod.", loadable either way.
-        compiled = module if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module) else None
-        self.module: torch.nn.Module = compiled._orig_mod if compiled is not None else module  # type: ignore[assignment]
+        original = compiled_original(module)
+        compiled = module if original is not None else None
+        self.module: torch.nn.Module = original if original is not None else module
         object.__setattr__(self, "_call", compiled if compiled is not None else self.module)  # not a submodule
         check_sync_batchnorm(self.module, device)
         self._group_of = group_of
@@ -141,7 +143,7 @@ class FixedLayoutDDP(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.device_ids:  # as DDP's: inputs go to the model's device
-            args, kwargs = tree_map_only(torch.Tensor, lambda tensor: tensor.to(self.device), (args, kwargs))
+            args, kwargs = map_tensors(lambda tensor: tensor.to(self.device), (args, kwargs))
         output = self._call(*args, **kwargs)  # type: ignore[operator]  # set with object.__setattr__
         # As DDP decides in its forward: whether this forward's backward averages is settled here,
         # so a forward inside ``no_sync()`` and its backward outside accumulates, as under DDP.
@@ -261,7 +263,7 @@ class FixedLayoutDDP(torch.nn.Module):
                 self._refused = not self._backward_averages
             if self._backward_averages:
                 self._start_round()
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+            queue_backward_callback(self._backward_finished)
         if not self._backward_averages:
             return
         self._ready[self._bucket_of[id(param)]] += 1

@@ -17,7 +17,8 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from undying._torch_compat.dist import bucket_assignment_by_size
 
 MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25  # DDP's default bucket_cap_mb
@@ -29,8 +30,7 @@ def initial_layout(params: list[torch.nn.Parameter], find_unused_parameters: boo
     """DDP's buckets before its first averaged backward: one per dtype in registration order (with
     ``find_unused_parameters``, cut at ``[first_cap_bytes, cap_bytes]``), the list of buckets reversed."""
     limits = [first_cap_bytes, cap_bytes] if find_unused_parameters else [sys.maxsize]
-    indices, _ = dist._compute_bucket_assignment_by_size(list[torch.Tensor](params), limits, [False] * len(params))
-    return [list(bucket) for bucket in reversed(indices)]
+    return list(reversed(bucket_assignment_by_size(list[torch.Tensor](params), limits)))
 
 
 def rebuilt_layout(params: list[torch.nn.Parameter], ready_order: list[int], first_cap_bytes: int,
@@ -38,9 +38,7 @@ def rebuilt_layout(params: list[torch.nn.Parameter], ready_order: list[int], fir
     """DDP's buckets after its first averaged backward: the parameters in the order that backward
     produced their gradients, cut when a bucket reaches ``first_cap_bytes``, then ``cap_bytes``."""
     ordered: list[torch.Tensor] = [params[index] for index in ready_order]
-    indices, _ = dist._compute_bucket_assignment_by_size(ordered, [first_cap_bytes, cap_bytes],
-                                                         [False] * len(params), ready_order)
-    return [list(bucket) for bucket in indices]
+    return bucket_assignment_by_size(ordered, [first_cap_bytes, cap_bytes], ready_order)
 
 
 def complete_order(fired: list[int], count: int) -> list[int]:

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from undying._torch_compat.dist import default_group_names
+from undying._torch_compat.training import import_dynamo
 from undying.runtime.pg import (
     ABORT_POLL_S,
     CollectiveError,
@@ -117,7 +119,7 @@ def _install(training: GenerationGroup) -> dist.ProcessGroup:
     # optimizer a script builds does lazily) keeps ten references to the default group of the
     # moment (measured, torch 2.13), so a dropped one would never be destroyed and its connections,
     # which peers of a failed generation are blocked on, would stay open until comm_timeout.
-    import torch._dynamo  # noqa: F401
+    import_dynamo()
     # init_process_group wraps sys.excepthook at every call: one recovery after another would stack
     # a rank prefix per generation on every traceback line.
     excepthook = sys.excepthook
@@ -143,8 +145,8 @@ def _forget_default_group() -> list[dist.ProcessGroup]:
     ``distributed_c10d._world.pg_names``; emptying that registry first leaves it only the bookkeeping."""
     if not dist.is_initialized():  # the script destroyed it itself
         return []
-    names = getattr(getattr(distributed_c10d, "_world", None), "pg_names", None)
-    if not isinstance(names, dict):
+    names = default_group_names()
+    if names is None:
         raise RuntimeError(f"undying: torch {torch.__version__} has no torch.distributed.distributed_c10d._world"
                            f".pg_names, which undying needs to drop the default process group without "
                            f"blocking; use a torch version in the range pyproject.toml declares")

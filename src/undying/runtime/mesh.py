@@ -20,21 +20,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 from torch.distributed.distributed_c10d import GroupName
 
+from undying._torch_compat.dist import (
+    FSDP_GROUP_METHODS,
+    device_mesh_over_groups,
+    group_over_backend,
+    register_named_group,
+)
 from undying.mesh_rows import incomplete_rows, rows_of
 from undying.runtime.pg import CollectiveError, GenerationGroup
 
 DIM_NAMES = ("replicate", "shard")
-# The ProcessGroup methods FSDP2, HSDP and DTensor call on a mesh's groups (torch 2.13: FSDP's
-# all-gather and reduce-scatter, HSDP's all-reduce, DTensor's full_tensor, and what a state transfer
-# or a broadcast over one dim uses). Each is forwarded to the current generation's group.
-FORWARDED = ("all_gather_single", "_allgather_base", "allgather", "allgather_into_tensor_coalesced",
-             "all_gather_single_coalesced", "reduce_scatter_single", "_reduce_scatter_base",
-             "reduce_scatter", "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced",
-             "allreduce", "allreduce_coalesced", "broadcast", "barrier", "alltoall_base",
-             "all_to_all_single", "send", "recv")
+# The ProcessGroup methods FSDP2, HSDP and DTensor call on a mesh's groups: each is forwarded to the
+# current generation's group.
+FORWARDED = FSDP_GROUP_METHODS
 
 
 class MeshDimGroup(GenerationGroup):
@@ -51,12 +51,8 @@ class MeshDimGroup(GenerationGroup):
 
     def _build(self, backend: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
         inner = super()._build(backend, timeout)
-        kind = dist.ProcessGroup.BackendType.NCCL if backend == "nccl" else dist.ProcessGroup.BackendType.GLOO
-        group = dist.ProcessGroup(self.store, self.rank, self.world_size)
-        group._set_default_backend(kind)
-        group._register_backend(torch.device(self.device.type), kind, inner)  # type: ignore[arg-type]
-        group._set_group_name(GroupName(f"{self.name}/gen{self.generation}"))
-        return group
+        return group_over_backend(inner, self.store, self.rank, self.world_size, self.device.type, backend,
+                                  f"{self.name}/gen{self.generation}")
 
 
 class BoundedWork(dist.Work):
@@ -165,17 +161,10 @@ class SwappableMesh:
         self.register()
 
     def _device_mesh(self) -> Any:
-        from torch.distributed.device_mesh import DeviceMesh
-
         layout = torch.arange(self.replicate * self.shard, dtype=torch.int).view(self.replicate, self.shard)
         # What DeviceMesh.from_group does, but with this rank given: from_group asks torch's default
         # group for it, which a replacement rank has not joined yet when its script builds the model.
-        mesh = DeviceMesh(self.device.type, layout, mesh_dim_names=DIM_NAMES, _init_backend=False,
-                          _rank=self.rank)
-        mesh._dim_group_names = [group.group_name for group in self.groups]
-        for group in self.groups:
-            mesh._pg_registry[group.group_name] = group
-        return mesh
+        return device_mesh_over_groups(self.device.type, layout, DIM_NAMES, self.rank, list(self.groups))
 
     def on_gradient_reduction(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever a gradient reduce-scatter of FSDP's has been started (the
@@ -238,22 +227,10 @@ class SwappableMesh:
         functional collectives) and in its world map (``get_process_group_ranks``, c10d's logging of a
         failed collective). torch empties both when its default group is destroyed, which undying
         does at every recovery (runtime/default_group.py): called again after each rebuild."""
-        world = distributed_c10d._world
         for group in self.groups:
-            try:
-                registered = distributed_c10d._resolve_process_group(group.group_name)
-            except (RuntimeError, ValueError):
-                registered = None
-            if registered is not None:  # still there: torch's default group was not rebuilt since
-                distributed_c10d._unregister_process_group(group.group_name)
-            distributed_c10d._register_process_group(group.group_name, group)
-            world.pg_map[group] = (self.backend, dist.HashStore())
             # Keyed by the rank in torch's default group, which is the rank's place among the members.
-            world.pg_group_ranks[group] = {self.members.index(rank): index for index, rank in enumerate(group.members)}
-            tag = f"undying:{group.group_name}"
-            world.pg_to_tag[group] = tag
-            if group not in world.tags_to_pg.setdefault(tag, []):
-                world.tags_to_pg[tag].append(group)
+            ranks = {self.members.index(rank): index for index, rank in enumerate(group.members)}
+            register_named_group(group, group.group_name, self.backend, ranks, f"undying:{group.group_name}")
 
 
 def surviving_replicas(members: list[int], replicate: int, shard: int) -> list[int]:

@@ -20,6 +20,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.swa_utils import AveragedModel
 
+from undying._torch_compat.training import child_schedulers
 from undying.protocol import Phase
 
 GRAD_SCALER_NAME = "grad_scaler"
@@ -172,7 +173,7 @@ def _search(optimizer_index: dict[int, int], taken: set[int], trained: set[int]
         elif issubclass(kind, torch.optim.Optimizer) and id(obj) not in optimizer_index and any(
                 id(param) in trained for group in obj.param_groups for param in group["params"]):
             strays.append(kind.__name__)
-    children = {id(child) for scheduler in schedulers for child in getattr(scheduler, "_schedulers", [])}
+    children = {id(child) for scheduler in schedulers for child in child_schedulers(scheduler)}
     by_name: dict[str, list[Any]] = {}
     for scheduler in schedulers:
         if id(scheduler) not in taken and id(scheduler) not in children:

@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from undying._torch_compat.dist import set_backend_timeout
 from undying.store_link import StoreLink
 
 ABORT_POLL_S = 0.05  # how often a waiting collective checks for an abort from the controller
@@ -140,7 +141,7 @@ class GenerationGroup:
         if backend == "nccl":
             os.environ[NCCL_ASYNC_ERROR_HANDLING_ENV] = "0"
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
+            set_backend_timeout(options, timeout)
             group = dist.ProcessGroupNCCL(self.store, self.rank, self.world_size, options)
             # Make the communicator now, on this builder thread, under the join timeout and the abort
             # flag: lazily, ncclCommInitRank would run inside the first collective on the training

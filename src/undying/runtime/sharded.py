@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
+from undying._torch_compat.fsdp import forget_unsharded_gradients, fsdp_meshes
+from undying._torch_compat.training import compiled_original
 from undying.runtime.mesh import SwappableGroup, SwappableMesh
 from undying.strategy_names import StrategyName
 
@@ -141,15 +143,7 @@ class ShardedModel(torch.nn.Module):
             pass  # a model that never ran forward (a replacement's) has no per-iteration state yet
         reshard(self.module)
         for module in self.module.modules():
-            state_of = getattr(module, "_get_fsdp_state", None)
-            if state_of is None:
-                continue
-            for group in getattr(state_of(), "_fsdp_param_groups", None) or []:
-                for fsdp_param in group.fsdp_params:
-                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                    if unsharded is not None:
-                        unsharded.grad = None
-                    fsdp_param.unsharded_accumulated_grad = None
+            forget_unsharded_gradients(module)
 
 
 def is_dtensor(value: Any) -> TypeGuard[DTensor]:
@@ -170,7 +164,7 @@ def is_sharded(module: torch.nn.Module) -> bool:
         return False
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(getattr(module, "_orig_mod", module), FSDPModule)
+    return isinstance(compiled_original(module) or module, FSDPModule)
 
 
 def reshard(module: torch.nn.Module) -> None:
@@ -189,11 +183,7 @@ def _mesh_groups(model: torch.nn.Module) -> list[tuple[str, Any]]:
     """(module name, process group) for every mesh dim of every FSDP parameter group in ``model``."""
     groups = []
     for name, module in model.named_modules():
-        state_of = getattr(module, "_get_fsdp_state", None)
-        if state_of is None:
-            continue
-        for param_group in getattr(state_of(), "_fsdp_param_groups", None) or []:
-            mesh = param_group.mesh_info.mesh
+        for mesh in fsdp_meshes(module):
             groups += [(name, mesh.get_group(dim)) for dim in range(mesh.ndim)]
     return groups
 

@@ -120,14 +120,12 @@ def _as_dtensor(tensor: torch.Tensor, spec: Spec | None) -> torch.Tensor:
 
 def _param_groups(ckpt: CommittedCheckpoint, count: int) -> list[list[dict[str, Any]]]:
     """Each optimizer's saved param_groups (hyperparameters, parameter FQNs)."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from undying._torch_compat.dcp import EmptyStateDictLoadPlanner, load_without_process_group
 
     keys = {f"{optimizer_key(index)}.param_groups" for index in range(count)}
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=reader(ckpt), planner=_EmptyStateDictLoadPlanner(keys=keys),
-                         no_dist=True)
+        load_without_process_group(state, reader(ckpt), EmptyStateDictLoadPlanner(keys=keys))
     except Exception as error:  # noqa: BLE001 - verified bytes DCP cannot read: unusable
         raise CorruptCheckpoint(f"{ckpt.path}: optimizer param_groups unreadable ({error!r})") from error
     return [state[optimizer_key(index)]["param_groups"] for index in range(count)]

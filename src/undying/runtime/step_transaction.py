@@ -18,8 +18,8 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
 
+from undying._torch_compat.tensors import map_tensors
 from undying.config import JobSpec
 from undying.log_tail import exception_tail
 from undying.protocol import Phase
@@ -113,7 +113,7 @@ class StepTransaction:
         """A wrapped model's forward hook: an injected ``nan`` makes the outputs of this attempt NaN."""
         if not self._poisoned or not torch.is_grad_enabled():
             return None
-        return tree_map_only(torch.Tensor, lambda t: t * math.nan if t.is_floating_point() else t, output)
+        return map_tensors(lambda t: t * math.nan if t.is_floating_point() else t, output)
 
     def _data_seconds(self) -> float:
         loaders = [*self.state.loaders, *self.state.statefuls.values()]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from undying._torch_compat.training import forget_grad_scaler_step
 from undying.data import ACCUMULATE, ResumableLoader, replica_slots
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.optim import CommitOptimizer, search_loop_state
@@ -63,9 +64,7 @@ def forget_step_in_flight(obj: object) -> None:
     disabled GradScaler (``enabled=False``, what fp32 and bf16 scripts build) never makes that
     memory: it has nothing to forget."""
     if isinstance(obj, torch.amp.GradScaler):
-        per_optimizer = getattr(obj, "_per_optimizer_states", None)
-        if per_optimizer is not None:
-            per_optimizer.clear()
+        forget_grad_scaler_step(obj)
 
 
 class Stateful(Protocol):
