@@ -81,3 +81,37 @@ def test_the_streams_of_other_slots_are_mirrored_under_their_ranks_keys_and_prun
         mirror.write_rng(step, {2: slot_2, 3: slot_3})
     assert not server.check([mirror.key(7, 2)]) and not server.check([mirror.key(7, 3)])
     assert server.check([mirror.key(7 + KEEP, 2), mirror.key(7 + KEEP, 3)])
+
+
+class FrozenStore:
+    """A store whose host froze: every call blocks until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def set(self, key: str, value: bytes) -> None:
+        self.release.wait()
+
+    def delete_key(self, key: str) -> bool:
+        self.release.wait()
+        return True
+
+
+def test_a_write_stuck_on_a_frozen_store_is_given_up_when_the_generation_is_aborted_and_left_behind() -> None:
+    """The store froze with the controller's node: the training thread stops waiting once the
+    controller aborted the generation, and after the store moved (``use_store``) the new store gets
+    the writes, whatever the stuck write's bounded end says later."""
+    frozen = FrozenStore()
+    reporter = Reporter()
+    mirror = RngMirror(BoundedStore(lambda: frozen, timeout=30.0), "job", rank=1, reporter=reporter)  # type: ignore[arg-type]
+    mirror.start_write_rng(8)
+    aborted = threading.Event()
+    threading.Timer(0.2, aborted.set).start()
+    assert mirror.wait(abandon=aborted.is_set) is False  # given up, long before the store's 30 s bound
+    server = store_server()
+    mirror.use_store(BoundedStore(lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False), timeout=5.0))
+    mirror.write_rng(9)
+    assert server.check([mirror.key(9)])
+    frozen.release.set()  # the old store's write ends (here: succeeds) after the move: it changes nothing
+    mirror.write_rng(10)
+    assert server.check([mirror.key(10)]) and reporter.events == []

@@ -36,6 +36,7 @@ from undying.runtime.rng import capture_rng, rng_from_bytes, rng_to_bytes
 KEEP = 3  # steps of mirrored RNG state kept per rank
 MIRROR_TIMEOUT_S = 5.0  # the job store: a write takes milliseconds unless its host froze
 BACKUP_TIMEOUT_S = 2.0  # a backup store that does not answer within this is dropped
+ABANDON_POLL_S = 0.05  # how often a wait for the mirror asks whether to give it up
 
 
 def bounded(address: str, timeout: float) -> BoundedStore:
@@ -66,8 +67,13 @@ class RngMirror:
         return f"{self.prefix}/rng/{self.rank if rank is None else rank}/{step}"
 
     def use_store(self, store: BoundedStore) -> None:
-        """The job's store moved (controller failover): mirror into the new one from now on."""
-        self.wait()
+        """The job's store moved (controller failover): mirror into the new one from now on. A write
+        still in flight is stuck on the old store (its host froze): its thread finishes it (bounded)
+        and is left behind, its outcome ignored; the new store's writes get a thread of their own."""
+        if self._written is not None and not self._written.is_set():
+            self._writer, self._writes, self._written = None, queue.SimpleQueue(), None
+        else:
+            self.wait()
         self.store = store
         self._store_lost = False
         self._last = (-1, {})
@@ -87,22 +93,28 @@ class RngMirror:
         if self._last == (step, data) or self._store_lost:
             return  # nothing to write (the commit boundary's state is usually the vote's): no trip to the thread
         if self._writer is None:
-            self._writer = threading.Thread(target=self._write_forever, name="undying-rng-mirror", daemon=True)
+            self._writer = threading.Thread(target=self._write_forever, args=(self._writes,),
+                                            name="undying-rng-mirror", daemon=True)
             self._writer.start()
         self._written = threading.Event()
         self._writes.put((step, data, self._written))
 
-    def wait(self) -> None:
-        """Until the write in flight is over. Every store call of it is bounded, so this is too."""
+    def wait(self, abandon: Callable[[], bool] | None = None) -> bool:
+        """Until the write in flight is over (True). Every store call of it is bounded, so this is too.
+        ``abandon``: asked while waiting; once it says so, False at once (the write goes on on the
+        mirror's thread): the controller aborted the generation, whose store may be frozen with it."""
         if self._written is not None:
-            self._written.wait()
+            while not self._written.wait(ABANDON_POLL_S if abandon is not None else None):
+                if abandon is not None and abandon():
+                    return False
             self._written = None
         while self._events:
             self.reporter.emit(ev.RNG_NOT_MIRRORED, **self._events.pop(0))
+        return True
 
-    def _write_forever(self) -> None:
+    def _write_forever(self, writes: queue.SimpleQueue[tuple[int, dict[int, bytes], threading.Event]]) -> None:
         while True:
-            step, data, written = self._writes.get()
+            step, data, written = writes.get()
             try:
                 self.write(step, data)
             except Exception as error:  # noqa: BLE001 - best effort, like an unreachable store
@@ -115,7 +127,11 @@ class RngMirror:
             return  # already mirrored; or the store is gone until the next plan names a new one
         entries = {self.key(step, rank): value for rank, value in data.items()}
         stale = [self.key(step - KEEP, rank) for rank in data] if self._last[0] != step and step - KEEP >= 0 else []
-        if not _put(self.store, entries, stale):
+        store = self.store
+        written = _put(store, entries, stale)
+        if store is not self.store:
+            return  # left behind by a move of the store (use_store) while it was stuck: moot
+        if not written:
             # The store went with its controller's node (failover): the step itself stands; the
             # next plan names the new store.
             self._store_lost = True

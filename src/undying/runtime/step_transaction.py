@@ -168,7 +168,10 @@ class StepTransaction:
             for model in self.state.models:
                 model.sync_gradients()
             self.set_phase(Phase.SYNCING)
-            self.rng_mirror.wait()
+            if not self.rng_mirror.wait(abandon=self.membership.aborted):
+                # Its store froze with the controller's node: the step cannot commit anyway.
+                self.fail("the controller aborted this generation while the RNG mirror's write was stuck")
+                return False
             all_ok, sums = self._buffers_and_vote(vote_ok, final=True)
         except CollectiveError as error:
             self.fail(f"gradient all-reduce failed: {error}")
