@@ -105,6 +105,7 @@ def test_a_write_stuck_on_a_frozen_store_is_given_up_when_the_generation_is_abor
     reporter = Reporter()
     mirror = RngMirror(BoundedStore(lambda: frozen, timeout=30.0), "job", rank=1, reporter=reporter)  # type: ignore[arg-type]
     mirror.start_write_rng(8)
+    mirror.start_write_rng(9)  # queued behind the stuck write, not waited for here
     aborted = threading.Event()
     threading.Timer(0.2, aborted.set).start()
     assert mirror.wait(abandon=aborted.is_set) is False  # given up, long before the store's 30 s bound

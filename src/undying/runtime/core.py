@@ -403,7 +403,8 @@ class Runtime:
     def _mark_commit_boundary(self) -> None:
         """Remember what a rollback to this committed step needs, and mirror its RNG state where a
         replacement finds it even when this process and its node are gone (runtime/rng_mirror.py)."""
-        self.rng_mirror.write_rng(self.state.committed_step, self.state.mark_commit_boundary())
+        self.rng_mirror.write_rng(self.state.committed_step, self.state.mark_commit_boundary(),
+                                  abandon=self.membership.aborted)
 
     def _recover(self, reason: str, raised: tuple[list[str], str] | None = None) -> None:
         self.recovery.recover(reason, raised)

@@ -78,20 +78,24 @@ class RngMirror:
         self._store_lost = False
         self._last = (-1, {})
 
-    def write_rng(self, step: int, states: Mapping[int, dict[str, Any]] | None = None) -> None:
+    def write_rng(self, step: int, states: Mapping[int, dict[str, Any]] | None = None,
+                  abandon: Callable[[], bool] | None = None) -> None:
         """Mirror ``states`` (rank whose key -> RNG state; by default this rank's RNG state now) as the
-        states of ``step``."""
+        states of ``step``. ``abandon``: as for ``wait``."""
         self.start_write_rng(step, states)
-        self.wait()
+        self.wait(abandon)
 
     def start_write_rng(self, step: int, states: Mapping[int, dict[str, Any]] | None = None) -> None:
         """Like ``write_rng``, but the write runs on the mirror's thread: the states are captured now,
         and ``wait`` returns once they are in the store (or found unreachable)."""
         states = states if states is not None else {self.rank: capture_rng()}
         data = {rank: rng_to_bytes(state) for rank, state in states.items()}
-        self.wait()  # after it, _last and _store_lost are the writer thread's final word
-        if self._last == (step, data) or self._store_lost:
-            return  # nothing to write (the commit boundary's state is usually the vote's): no trip to the thread
+        if self._written is None or self._written.is_set():
+            self.wait()  # returns at once; after it, _last and _store_lost are the writer thread's final word
+            if self._last == (step, data) or self._store_lost:
+                return  # nothing to write (the commit boundary's state is usually the vote's): no trip to the thread
+        # Else a write is still in flight (a slow or frozen store): this one queues behind it, not
+        # waited for here, and the writer skips it if it turns out to be the same.
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_forever, args=(self._writes,),
                                             name="undying-rng-mirror", daemon=True)
