@@ -18,9 +18,13 @@ from undying.events import Event, read_events
 pytestmark = pytest.mark.faults
 
 
-def assert_spare_served_node1(events: list, spare: int) -> Event:
+def assert_spare_served_node1(events: list) -> Event:
     [failed] = [event for event in events if event.kind == ev.NODE_CHECK_FAILED]
     assert (failed.node, failed.details["when"]) == (1, "hello")
+    # The spare's id: the one the fit standby agent registered under (the unfit node 1 agent is a
+    # spare too, never given ranks; whichever of the two says hello first takes the lower id).
+    [spare] = [event.node for event in events if event.kind == ev.AGENT_REGISTERED and event.details["standby"]
+               and not event.details.get("unfit")]
     [adopt] = [event for event in events if event.kind == ev.STANDBY_ADOPT]
     assert (adopt.node, adopt.details["spare"]) == (1, spare)
     spare_pid = next(event.details["pid"] for event in events
@@ -35,7 +39,7 @@ def assert_spare_served_node1(events: list, spare: int) -> Event:
 def test_an_injected_failing_check_gives_the_node_no_ranks(reference_run: JobRun, tmp_path: Path) -> None:
     run = run_job(tmp_path, ["--standby", "1", "--inject", "check:node=1"])
     assert run.returncode == 0, run.output + run.logs()
-    failed = assert_spare_served_node1(run.events, spare=2)
+    failed = assert_spare_served_node1(run.events)
     assert failed.details["problems"] == ["injected failing check (check:node=1)"]
     assert "node 1 (" in run.output and "failed its health check: injected failing check" in run.output
     assert run.result["param_sha256"] == reference_run.result["param_sha256"]
@@ -88,7 +92,7 @@ def test_a_host_with_a_full_shm_and_a_read_only_checkpoint_dir_gives_its_place_t
         cluster.close()
     assert code == 0 and codes == [0, 0], output
     events = read_events(cluster.run_dir(0))
-    failed = assert_spare_served_node1(events, spare=2)
+    failed = assert_spare_served_node1(events)
     problems = failed.details["problems"]
     assert any(problem.startswith(f"node memory {full_tmpfs}") for problem in problems), problems
     assert any("cannot write to checkpoint root" in problem and "Read-only file system" in problem
