@@ -75,7 +75,8 @@ def _start_watcher() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked process (a worker forked from a warm standby) has no watcher thread: start its own."""
+    """A forked process (a worker forked from a warm standby) has no watcher thread: its first
+    following client starts one of its own."""
     global _watcher, _watcher_lock
     _watcher, _watcher_lock = None, threading.Lock()
 

@@ -8,9 +8,9 @@ float64 elements as hold them exactly (53 bits each; a field of a count at most 
 rank takes the bits of ``world * limit``), so that their sums over the ranks never carry into the
 next field. The rest (a loss, a step number) travel as elements of their own.
 
-Why: the cost of a small all-reduce grows with its elements before it grows with bytes (gloo takes
-another algorithm once the elements reach about the number of ranks: 0.5 ms against 2-4 ms for 4
-ranks on 2 cores, docs/benchmarks.md), and the vote is on every step's critical path.
+Why: the cost of a small all-reduce grows with its elements before it grows with bytes (for 4 gloo
+ranks on 2 cores, 0.65-0.80 ms for 1-2 elements against 2.75-4.30 ms for 3-6: bench/vote_elements.py,
+docs/benchmarks.md), and the vote is on every step's critical path.
 """
 
 from __future__ import annotations
