@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from undying.inject import (
@@ -195,6 +197,34 @@ def test_an_injection_without_committed_never_looks_at_storage():
     with pytest.raises(InjectedFault):
         points.in_step_body(15)
     assert reporter.events == [("injection", 15, {"spec": "raise:rank=0:step=15"})]
+
+
+def test_a_node_fault_fires_once_every_local_rank_of_the_node_reached_its_step(tmp_path, monkeypatch):
+    """``node:node=1:step=10`` takes the whole node at the start of step 10: its local rank 0 fires
+    only after local rank 1 reached step 10 too (so it finished step 9 first), and not on node 0."""
+    import threading
+
+    from undying.runtime import injection_points
+    from undying.runtime.injection_points import InjectionPoints
+
+    fired: list[float] = []
+    monkeypatch.setattr(injection_points, "fire", lambda injection: fired.append(time.monotonic()))
+    injections = [parse_injection("node:node=1:step=10")]
+
+    def points(node: int, local_rank: int) -> InjectionPoints:
+        return InjectionPoints(injections, _Reporter(), node * 2 + local_rank, node, local_rank,
+                               lambda step: True, tmp_path / "injections", local_world_size=2)
+
+    points(0, 0).at_step_start(10)
+    assert fired == []
+    local_1 = points(1, 1)
+    local_1.at_step_start(9)
+    reached = []
+    later = threading.Timer(0.3, lambda: (reached.append(time.monotonic()), local_1.at_step_start(10)))
+    later.start()
+    points(1, 0).at_step_start(10)
+    later.join()
+    assert len(fired) == 1 and fired[0] >= reached[0]
 
 
 @pytest.mark.parametrize(

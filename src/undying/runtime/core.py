@@ -89,7 +89,8 @@ class Runtime:
         root = checkpoint_root(self.spec, self.run_dir)
         self.injections = InjectionPoints(decode(env.injections_text), self.reporter, self.rank, self.node,
                                           self.local_rank,
-                                          lambda step: any(c.step == step for c in list_committed(root)))
+                                          lambda step: any(c.step == step for c in list_committed(root)),
+                                          self.run_dir / "injections", env.local_world_size)
         self._resumed_from: int | None = None
         self.draws = DrawLedger()  # a batch carried into a step in a variable (runtime/carried_batches.py)
         self.finished = False

@@ -6,12 +6,16 @@ Runs in the worker. Each injection fires at most once per job: before firing, th
 it from the controller and logs it (an ``injection`` event), so the log shows the cause before the
 fault. The runtime, the recovery client and the checkpoint engine each ask for their own point.
 An injection with ``committed=C`` waits, once claimed, until the checkpoint of step C is committed.
+A ``node`` fault at a step takes the whole node at that step's start: its local rank 0 fires it once
+every local rank of the node has reached the step (each leaves a marker file under the run
+directory), so none is killed halfway through finishing the step before.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from undying import events as ev
 from undying.inject import COMMIT_WAIT_S, NAN, SLOW, Injection, fire
@@ -27,15 +31,21 @@ OPTIMIZER = "optimizer"  # inside the optimizer's step(): updated, not yet recor
 IN_STEP = (ALLREDUCE, AFTER_VOTE, OPTIMIZER)
 RAISE = "raise"  # the injection kind raised inside the step body instead of at its start
 STEP_LOOP_KINDS = (RAISE, SLOW, NAN)  # carried out by the step loop, not fired at a step's start
+NODE = "node"
+NODE_PEERS_WAIT_S = 10.0  # the longest a node fault waits for its node's other local ranks
 
 
 class InjectionPoints:
     """The injections aimed at this worker (rank, node, local rank), fired at the points they name."""
 
     def __init__(self, injections: list[Injection], reporter: Reporter, rank: int, node: int,
-                 local_rank: int, is_committed: Callable[[int], bool]) -> None:
-        """``is_committed(step)``: whether the job's checkpoint root holds that step committed."""
+                 local_rank: int, is_committed: Callable[[int], bool], markers: Path | None = None,
+                 local_world_size: int = 1) -> None:
+        """``is_committed(step)``: whether the job's checkpoint root holds that step committed;
+        ``markers``: the directory where the node's local ranks mark reaching a node fault's step."""
         self.injections = injections
+        self._markers = markers
+        self._local_world_size = local_world_size
         self._is_committed = is_committed
         self._reporter = reporter
         self._rank = rank
@@ -53,7 +63,12 @@ class InjectionPoints:
             if injection.at in IN_STEP and injection not in self._armed and self._claim(injection, step):
                 self._armed.append(injection)
         for injection in self.injections:
+            if injection.kind == NODE and injection.at == STEP:
+                self._mark_reached(injection, step)
+        for injection in self.injections:
             if injection.kind not in STEP_LOOP_KINDS and injection.at == STEP and self._claim(injection, step):
+                if injection.kind == NODE:
+                    self._wait_node_peers(injection, step)
                 fire(injection)
 
     def slowdown(self, step: int) -> float:
@@ -111,6 +126,26 @@ class InjectionPoints:
             if injection.at == PERSIST and self._claim(injection, step):
                 return lambda: fire(injection)
         return None
+
+    def _marker(self, injection: Injection, step: int, local_rank: int) -> Path | None:
+        if self._markers is None or injection.step is None or injection.node != self._node:
+            return None
+        return self._markers / f"inject{injection.index}-node{self._node}-step{step}-local{local_rank}"
+
+    def _mark_reached(self, injection: Injection, step: int) -> None:
+        """This local rank reached the step a node fault aimed at its node fires at."""
+        marker = self._marker(injection, step, self._local_rank)
+        if marker is not None and injection.step == step:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+
+    def _wait_node_peers(self, injection: Injection, step: int) -> None:
+        """Until every local rank of the node reached ``step`` (bounded: one that died or hangs
+        elsewhere does not hold the fault back)."""
+        deadline = time.monotonic() + NODE_PEERS_WAIT_S
+        markers = [self._marker(injection, step, local) for local in range(self._local_world_size)]
+        while time.monotonic() < deadline and not all(m is None or m.exists() for m in markers):
+            time.sleep(0.005)
 
     def _claim(self, injection: Injection, step: int) -> bool:
         if not injection.targets(self._rank, self._node, self._local_rank, step):
