@@ -56,6 +56,9 @@ class EventKind(StrEnum):
     RECOVERY_PLAN = "recovery_plan"  # the plan is published: target step, source replica, receivers
     RECOVERED = "recovered"  # a worker finished its part of a recovery (phase timings in details)
     RECOVERY_FAILED = "recovery_failed"  # a process-level recovery gave up; the chain falls back
+    # The executor that owns a recovery hands it to another, which drives it from then on (from, to, why):
+    # retry to recover-in-place (a process is gone), a recover to elastic-training (its node did not come back).
+    RECOVERY_HANDOVER = "recovery_handover"
     REPLACE = "replace"  # an agent was told to restart only some ranks
     RNG_NOT_MIRRORED = "rng_not_mirrored"
     DUMP_BEGIN = "dump_begin"
@@ -156,6 +159,7 @@ RECOVERY_BEGIN = EventKind.RECOVERY_BEGIN
 RECOVERY_PLAN = EventKind.RECOVERY_PLAN
 RECOVERED = EventKind.RECOVERED
 RECOVERY_FAILED = EventKind.RECOVERY_FAILED
+RECOVERY_HANDOVER = EventKind.RECOVERY_HANDOVER
 REPLACE = EventKind.REPLACE
 RNG_NOT_MIRRORED = EventKind.RNG_NOT_MIRRORED
 DUMP_BEGIN = EventKind.DUMP_BEGIN

@@ -595,6 +595,12 @@ def test_a_node_that_announces_its_leave_is_dropped_at_once_by_elastic_training(
     assert job.events(ev.RESTART_BEGIN) == []
     [fault] = job.events(ev.FAULT_DETECTED)
     assert fault.details["description"] == "node 1 left the job (left the job: SIGTERM to its undying run)"
+    # The recover that waited for the node handed the recovery to elastic training, which shrank it.
+    [handover] = job.events(ev.RECOVERY_HANDOVER)
+    assert (handover.details["from"], handover.details["to"]) == ("recover", "elastic-training")
+    assert "[1]" in handover.details["why"]
+    kinds = [e.kind for e in job.events() if e.kind in (ev.RECOVERY_HANDOVER, ev.ELASTIC_SHRINK, ev.RECOVERY_PLAN)]
+    assert kinds == [ev.RECOVERY_HANDOVER, ev.ELASTIC_SHRINK, ev.RECOVERY_PLAN]
 
 
 def test_a_node_that_announces_its_leave_is_replaced_by_a_spare(make_job):
@@ -649,6 +655,27 @@ def test_a_failed_step_with_every_process_alive_is_retried_without_receivers(mak
     # Nobody is restarted.
     assert job.events(ev.REPLACE) == []
     assert [job.poll(node, 1, job.statuses(node, 1), wait=0.2).kind for node in (0, 1)] == [OrderKind.NONE] * 2
+
+
+def test_a_retry_whose_survivor_dies_before_it_checks_in_is_handed_over_to_recover_in_place(make_job):
+    """The retry's executor hands the recovery over (logged), and recover-in-place's drives it to its plan."""
+    job = recovering_job(make_job)
+    check_in_together(job, [survivor(job, rank, 7, wait=0.0, reason="allreduce timed out") for rank in range(3)])
+    assert job.wait_for(lambda: bool(job.events(ev.RECOVERY_BEGIN)))
+    [begin] = job.events(ev.RECOVERY_BEGIN)
+    assert begin.details["strategy"] == "retry" and begin.details["survivors"] == [0, 1, 2, 3]
+    report_exit(job, 3)  # rank 3's process dies before it checked in
+    replace = job.next_order(1, 1)
+    assert (replace.kind, replace.generation, replace.ranks) == (OrderKind.REPLACE, 2, [3])
+    [handover] = job.events(ev.RECOVERY_HANDOVER)
+    assert (handover.generation, handover.details["from"], handover.details["to"]) == (2, "retry", "recover-in-place")
+    assert "rank 3" in handover.details["why"]
+    assert job.controller.status()["recovery"]["strategy"] == "recover-in-place"
+    plans = check_in_together(job, [survivor(job, 0, 7), survivor(job, 1, 7), survivor(job, 2, 7), newcomer(job, 3)])
+    assert {(plan.action, plan.strategy, tuple(plan.receivers)) for plan in plans.values()} == {
+        (PlanAction.RESUME, "recover-in-place", (3,))}
+    assert job.controller.state is JobState.RUNNING
+    assert [e.details["strategy"] for e in job.events(ev.DECISION)] == ["retry"]  # one decision, handed over
 
 
 def test_a_lost_node_is_recovered_once_it_says_hello_again(make_job):

@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 from undying.client import format_address
 from undying.config import JobSpec
 from undying.controller.deadlines import LONGEST_HOLD, TICK
-from undying.controller.machine import Effects, JobMachine
+from undying.controller.job import Effects
+from undying.controller.machine import JobMachine
 from undying.controller.metrics import JobMetrics
 from undying.controller.saved_state import export_state, resume
 from undying.controller.state import JobState

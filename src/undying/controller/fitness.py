@@ -18,7 +18,7 @@ from undying.controller.membership import Membership, NodeRecord
 from undying.protocol import AgentHello, HelloReply
 
 if TYPE_CHECKING:
-    from undying.controller.machine import JobMachine
+    from undying.controller.job import JobCore
 
 
 def check_problems(check: dict[str, Any]) -> list[str]:
@@ -34,7 +34,7 @@ def unfit_reason(membership: Membership, hello: AgentHello) -> str:
     return "; ".join(check_problems(hello.check))
 
 
-def join_as_unfit_spare(job: JobMachine, hello: AgentHello, why: str, now: float) -> HelloReply:
+def join_as_unfit_spare(job: JobCore, hello: AgentHello, why: str, now: float) -> HelloReply:
     """Register the agent as a spare that is never given ranks; its node's place waits for another."""
     membership = job.membership
     if hello.check and check_problems(hello.check):
@@ -50,7 +50,7 @@ def join_as_unfit_spare(job: JobMachine, hello: AgentHello, why: str, now: float
     return HelloReply(job.job_id, job.store_port, node=spare_id, reason=f"not given ranks: {why}")
 
 
-def check_after_restart(job: JobMachine, node: NodeRecord, check: dict[str, Any], now: float) -> None:
+def check_after_restart(job: JobCore, node: NodeRecord, check: dict[str, Any], now: float) -> None:
     """A node's check once a job restart stopped its workers: a failing one frees its place (the agent
     says hello again, with a new check, and joins as an unfit spare if it still fails)."""
     node.check_due = False

@@ -7,36 +7,33 @@ the monotonic time ``now``, and it answers with a reply and queues effects: even
 orders for agents (handed out when they poll), nodes to kill (simulated nodes). The state
 it keeps is what a successor controller resumes from (``saved_state.py``).
 
-Loop (compare torchelastic's ``_invoke_run``): detect (``detection.py``) -> decide
-(the chain in ``strategies/``; ``crash_loop.py`` stops a job its recoveries bring no further) -> the chosen strategy executes and owns the
-recovery until it ends (``strategies/*.py``).
+Loop (compare torchelastic's ``_invoke_run``): detect (``detection.py``) -> decide (the chain,
+``strategies/__init__.py``; ``crash_loop.py`` stops a job its recoveries bring no further) -> the
+chosen strategy's executor (``strategies/*.py``) owns the recovery until it ends or hands it over
+(``JobCore.hand_over``). The job's state and the changes the executors make to it are ``JobCore``
+(``job.py``); this module adds the observations and ``tick``, and asks the executor that owns what
+the job does (``JobCore.active_strategy``), never a named one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from undying import events as ev
-from undying.config import JobSpec
 from undying.controller import strategies
 from undying.controller.admission import hello_refusal
-from undying.controller.crash_loop import CrashLoop
-from undying.controller.deadlines import HEARTBEAT_LOG_EVERY, Deadlines
-from undying.controller.detection import FaultDetector
+from undying.controller.deadlines import HEARTBEAT_LOG_EVERY
 from undying.controller.fitness import check_after_restart, join_as_unfit_spare, unfit_reason
-from undying.controller.membership import Membership, NodeRecord, RankRecord
-from undying.controller.persist_health import PersistHealth
-from undying.controller.recovery import ActiveRecovery, note_check_in, plan_for
+from undying.controller.job import Effects, JobCore
+from undying.controller.membership import NodeRecord
 from undying.controller.state import (
     EXIT_CANCELLED,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_REFUSED,
     JobState,
-    check_transition,
 )
-from undying.controller.suspects import Suspects
+from undying.controller.strategies.base import stamped
 from undying.events import Event
 from undying.faults import Fault, FaultReason
 from undying.inject import decode as decode_injections
@@ -50,6 +47,7 @@ from undying.protocol import (
     InjectionClaim,
     Order,
     OrderKind,
+    Phase,
     Plan,
     PlanAction,
     RecoverRequest,
@@ -59,72 +57,12 @@ from undying.protocol import (
 from undying.root_probe import refusal as unshared_root
 from undying.strategy_names import StrategyName
 
-
-@dataclass
-class Effects:
-    """What a call asks the shell to do once it returns."""
-
-    events: list[Event] = field(default_factory=list)
-    kill_nodes: list[int] = field(default_factory=list)  # simulated nodes whose agent was declared lost
-    news: bool = False  # a decision may be due now (a new step failure, a recovery's last check-in)
+__all__ = ["Effects", "JobMachine"]  # Effects: what the shell (core.py) takes after each call
 
 
-class JobMachine:
-    """One job's membership, health, decisions and recoveries. Not thread-safe: the shell serialises calls."""
-
-    def __init__(self, spec: JobSpec, job_id: str, store_address: str, injections_text: str = "",
-                 now: float = 0.0, wall_offset: float = 0.0, deadlines: Deadlines | None = None) -> None:
-        self.spec = spec
-        self.deadlines = deadlines or Deadlines.from_spec(spec)
-        self.job_id = job_id
-        self.store_address = store_address
-        self.store_port = int(store_address.rsplit(":", 1)[1])
-        self.injections_text = injections_text
-        self.wall_offset = wall_offset  # wall time = monotonic + wall_offset (event times, saved state)
-        self.state = JobState.WAITING_FOR_NODES
-        self.generation = 0
-        self.abort_generation = 0
-        self.end_generation = 0  # a generation that ends at its next step boundary (an elastic grow)
-        self.restart_count = 0  # recoveries of every kind (what max_restarts bounds)
-        self.job_restarts = 0  # the job-level restarts among them
-        self.crash_loop = CrashLoop(spec.crash_loop_limit)
-        self.persist_health = PersistHealth()
-        self.suspects = Suspects(spec)  # stragglers and transient bad steps: nodes to switch to a spare
-        self.commit_drain: strategies.CommitDrain | None = None  # a job restart's stop held for a T2 commit
-        self.stop_requested: str | None = None  # why the job was asked to stop (a graceful stop follows)
-        self.stop_deadline = 0.0
-        self.exit_code: int | None = None
-        self.message = ""
-        self.membership = Membership(spec.nnodes, spec.nproc_per_node)
-        self.detector = FaultDetector(self.membership, self.deadlines, spec.watchdog, self.emit)
-        self.recovery: ActiveRecovery | None = None
-        self.pending_grow: ActiveRecovery | None = None  # returned ranks starting while the survivors train
-        self.grow_refused: set[tuple[int, int]] = set()  # (node, agent pid) already tried for a grow
-        self.plans: dict[int, Plan] = {}  # generation -> the plan that formed it
-        self.claimed_injections: set[int] = set()
-        self.node_down_until: dict[int, float] = {}  # injected `node:...:down=D`: held down until
-        self.faults_total: dict[str, int] = {}
-        self.retries: dict[int, int] = {}  # step -> in-place retries
-        self.backup_store = ""  # failover jobs: another node's store that keeps a second RNG mirror
-        self.rng_stores: list[str] = []  # after a takeover: stores that may hold mirrors of earlier steps
-        self.now = now  # the time of the observation being handled
-        self.started = now
-        self.state_deadline = now + self.deadlines.node_return
-        self.finished_at: float | None = None
-        self.effects = Effects()
-
-    # ---------------------------------------------------------------- effects
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        """Log an event, stamped with the time of the observation being handled."""
-        self.effects.events.append(Event(kind=kind, time=self.now + self.wall_offset, **fields))
-
-    def take_effects(self) -> Effects:
-        effects, self.effects = self.effects, Effects()
-        return effects
-
-    def count_fault(self, reason: str) -> None:
-        self.faults_total[reason] = self.faults_total.get(reason, 0) + 1
+class JobMachine(JobCore):
+    """One job's decisions: the observations and time passing, on the job's state and its changes
+    (``JobCore``). Not thread-safe: the shell serialises calls."""
 
     # ---------------------------------------------------------------- agents
 
@@ -254,20 +192,6 @@ class JobMachine:
         if node is not None and node.alive and not node.exit_delivered:
             self.lose_node(node, f"agent process ended (returncode {returncode})", now)
 
-    def lose_node(self, node: NodeRecord, why: str, now: float, kill: bool = True, planned: bool = False) -> None:
-        node.alive = False
-        node.orders.clear()
-        self.emit(ev.AGENT_LOST, node=node.node, generation=self.generation,
-                  details={"why": why, "standby": node.standby, "planned": planned})
-        if node.standby:
-            return  # a spare held no ranks: nothing to recover
-        if self.state in (JobState.RUNNING, JobState.RECOVERING):
-            self.detector.pending.append(Fault(FaultReason.AGENT_LOST, node=node.node,
-                                               step=self.membership.committed_step(),
-                                               detail=why if planned else "", planned=planned))
-        if kill and not self.state.terminal:
-            self.effects.kill_nodes.append(node.node)
-
     # ---------------------------------------------------------------- workers
 
     def heartbeat(self, now: float, beat: Heartbeat) -> HeartbeatReply:
@@ -306,20 +230,19 @@ class JobMachine:
             record.done = True
             record.step = event.step or record.step
             record.step_known = record.step_known or bool(event.step)
-        stop = self.suspects.worker_event(self, event)  # names a bad step's ranks before it is logged
+        stop = self.suspects.worker_event(self.membership, event, self.state.terminal)  # names a bad step's ranks before it is logged
         self.effects.events.append(event)
         if stop:
             self.finish(JobState.FAILED, EXIT_FAILED, stop, now)
-        if self.commit_drain is not None:
-            self.commit_drain.worker_event(event)
         if event.kind == ev.CHECKPOINT_SAVE and event.step is not None:
             self.persist_health.saved(event.step, now)
         elif event.kind == ev.PERSIST_FAILED and event.step is not None:
             failed = self.persist_health.failed(event.step, event.rank, str(event.details.get("reason", "")), now)
             if failed is not None:
                 self.emit(ev.CHECKPOINT_FAILED, step=event.step, generation=event.generation, details=failed)
-        if event.kind in (ev.DUMP_COMMITTED, ev.CHECKPOINT_SAVE, ev.PERSIST_FAILED) and self.recovery is not None:
-            strategies.executor_for(self.recovery.strategy).on_worker_event(self, event, now)
+        owner = self.active_strategy()
+        if owner is not None:
+            strategies.executor_for(owner).on_worker_event(self, event, now)
 
     def check_in(self, now: float, request: RecoverRequest) -> Plan:
         """A worker whose step failed (or a replacement, on joining) checks in; WAIT: ask again."""
@@ -329,8 +252,34 @@ class JobMachine:
                 and record.spawn_generation > request.generation:
             # An old process of a rank that was replaced meanwhile (its node froze and woke up).
             return Plan(action=PlanAction.EXIT, reason=f"rank {request.rank} is served by process {record.pid} now")
-        note_check_in(self, now, request, record)
-        return plan_for(self, request)
+        if record is not None:
+            record.phase = Phase.RECOVERING
+            record.last_heartbeat = now
+        recovery = self.recovery
+        if recovery is not None:  # its owner records it and answers
+            owner = strategies.executor_for(recovery.strategy)
+            owner.check_in(self, recovery, request, now)
+            return owner.plan_for(self, recovery, request)
+        pending = self.pending_grow
+        if request.newcomer and pending is not None and request.generation == pending.generation:
+            strategies.executor_for(pending.strategy).check_in(self, pending, request, now)
+        elif not request.newcomer and self.state is JobState.RUNNING and request.generation == self.generation:
+            # A step failure: news when it is one (the detector holds it briefly for its real cause).
+            self.effects.news |= self.detector.step_failed(now, Fault(
+                FaultReason.STEP_FAILED, node=record.node if record else request.node, rank=request.rank,
+                step=request.committed_step, detail=request.reason[:300], error=request.error,
+                log_tail=tuple(request.error_tail)), request.generation)
+        return self._plan_without_recovery(request)
+
+    def _plan_without_recovery(self, request: RecoverRequest) -> Plan:
+        if self.state is JobState.RUNNING:
+            formed = self.plans.get(self.generation)
+            # The plan was published while this worker was between two polls.
+            fits = request.generation < self.generation or (request.newcomer and request.generation == self.generation)
+            return stamped(self, formed) if formed is not None and fits else Plan(action=PlanAction.WAIT)
+        if self.state in (JobState.STOPPING, JobState.RESTARTING) or self.state.terminal:
+            return Plan(action=PlanAction.EXIT, reason=f"job {self.state.value}")
+        return Plan(action=PlanAction.WAIT)
 
     def claim_injection(self, now: float, claim: InjectionClaim) -> bool:
         self.now = now
@@ -397,15 +346,13 @@ class JobMachine:
             elif self.membership.ranks and all(r.done and r.exitcode == 0 for r in self.membership.ranks.values()):
                 self.finish(JobState.SUCCEEDED, EXIT_OK, f"finished at step {self.membership.committed_step()}", now)
             else:
-                self.suspects.find_stragglers(self, now)
-                strategies.ELASTIC_EXECUTOR.grow_if_nodes_returned(self, now)
-                if self.state is JobState.RUNNING:
-                    strategies.SWITCH_EXECUTOR.switch_if_due(self, now)
-        elif self.state is JobState.RECOVERING:
-            assert self.recovery is not None
-            strategies.executor_for(self.recovery.strategy).progress(self, now)
-        elif self.state in (JobState.STOPPING, JobState.RESTARTING):
-            strategies.JOB_RESTART_EXECUTOR.progress(self, now)
+                self.suspects.find_stragglers(self.membership, self.emit, self.generation, now)
+                for executor in strategies.executors():  # what a strategy starts by itself (a grow, a switch)
+                    executor.while_running(self, now)
+                    if self.state is not JobState.RUNNING:
+                        break
+        elif (owner := self.active_strategy()) is not None:  # recovering, stopping, restarting
+            strategies.executor_for(owner).progress(self, now)
 
     def all_agents_gone(self, now: float) -> bool:
         """The job has ended and every agent took its exit order (or the grace ran out)."""
@@ -414,105 +361,7 @@ class JobMachine:
             return True
         return all(node.exit_delivered or not node.alive for node in self.membership.nodes.values())
 
-    # ---------------------------------------------------------------- generations (used by the strategies)
-
     def act_on(self, fault: Fault, now: float, excluded: frozenset[StrategyName] = frozenset(),
                stateless: set[int] | None = None) -> None:
         """Let the chain decide again (a recovery failed: without the strategies in ``excluded``)."""
         strategies.act_on(self, fault, now, excluded, stateless)
-
-    def transition(self, target: JobState) -> None:
-        check_transition(self.state, target)
-        self.state = target
-
-    def start_generation(self, now: float, members: list[int] | None = None) -> None:
-        """Start every rank of ``members`` (default: every rank of the job) on its node, afresh.
-        Fewer members: a job restart at the size an elastic shrink left (job_restart.py)."""
-        self.generation += 1
-        self.detector.clear()
-        self.suspects.new_generation()
-        membership = self.membership
-        world_size = self.spec.world_size
-        membership.ranks = {}
-        membership.members = list(range(world_size)) if members is None else list(members)
-        shrunk = len(membership.members) < world_size
-        for node in sorted(membership.nodes.values(), key=lambda n: n.node):
-            if not node.alive or node.standby:
-                continue
-            ranks = [rank for rank in membership.ranks_of(node.node) if rank in membership.members]
-            if not ranks:
-                continue  # a node left out of a shrunk restart (elastic grow-back may bring it in)
-            for rank in ranks:
-                membership.ranks[rank] = RankRecord(rank, node.node, self.generation, now)
-            node.orders.append(Order(kind=OrderKind.START, generation=self.generation, ranks=ranks,
-                                     world_size=world_size, store_port=self.store_port,
-                                     restart_count=self.restart_count,
-                                     members=list(membership.members) if shrunk else []))
-        previous = self.state
-        self.transition(JobState.RUNNING)
-        self.crash_loop.watch(self.generation)
-        details: dict[str, Any] = {"world_size": world_size, "restart_count": self.restart_count}
-        if shrunk:
-            details["members"] = list(membership.members)
-        self.emit(ev.GENERATION_START, generation=self.generation, details=details)
-        if previous is JobState.RESTARTING:
-            self.emit(ev.RESTART_END, generation=self.generation, details={"restart_count": self.restart_count})
-
-    def finish(self, state: JobState, exit_code: int, message: str, now: float) -> None:
-        self.transition(state)
-        self.exit_code = exit_code
-        self.message = message
-        self.finished_at = now
-        self.recovery = None
-        self.order_all(Order(kind=OrderKind.EXIT, generation=self.generation, reason=message, exit_code=exit_code))
-        self.emit(ev.JOB_END, generation=self.generation, step=self.membership.committed_step(),
-                  details={"outcome": state.value, "exit_code": exit_code, "message": message,
-                           "recoveries": self.restart_count, "job_restarts": self.job_restarts})
-
-    def retire_node(self, node_id: int, why: str, now: float) -> None:
-        """Take ``node_id``'s place from its agent for good (switched out, strategies/switch.py): it is
-        told to say hello again (its workers stop) and joins as a spare never given ranks (fitness.py)."""
-        self.now = now
-        node = self.membership.nodes.get(node_id)
-        if node is None or not node.alive:
-            return
-        node.alive = False
-        node.orders.clear()
-        self.membership.retired[(node.hostname, node.pid)] = why
-
-    def order_all(self, order: Order) -> None:
-        for node in self.membership.nodes.values():
-            if node.alive:
-                node.orders.clear()
-                node.orders.append(order)
-
-    def replace(self, node: int, ranks: list[int], now: float) -> None:
-        """Order ``node``'s agent to restart ``ranks`` as replacements in the current generation."""
-        for rank in ranks:
-            # Its step is unknown until it beats: the job's committed step is the survivors'.
-            self.membership.ranks[rank] = RankRecord(rank, node, self.generation, now, step_known=False)
-        self.order_replace(node, ranks, self.generation, now)
-
-    def order_replace(self, node: int, ranks: list[int], generation: int, now: float, **details: Any) -> None:
-        """Queue ``node``'s order to start ``ranks`` as newcomers of ``generation``."""
-        self.membership.nodes[node].orders.append(Order(
-            kind=OrderKind.REPLACE, generation=generation, ranks=ranks, world_size=self.spec.world_size,
-            store_port=self.store_port, restart_count=self.restart_count))
-        self.emit(ev.REPLACE, node=node, generation=generation, details={"ranks": ranks, **details})
-
-    def adopt_spares_for(self, nodes: set[int], now: float) -> None:
-        """Order an idle spare agent to take the place of each node in ``nodes`` that is not alive
-        (pod-level rescheduling onto a standby node: ``undying run --standby``)."""
-        membership = self.membership
-        for lost in sorted(nodes):
-            if membership.node_alive(lost) or membership.being_adopted(lost):
-                continue
-            spare = membership.idle_spare()
-            if spare is None:
-                return
-            spare.adopting = lost
-            membership.adopted_by[lost] = spare.node
-            spare.orders.append(Order(kind=OrderKind.ADOPT, node=lost, generation=self.generation,
-                                      reason=f"take the place of node {lost}"))
-            self.emit(ev.STANDBY_ADOPT, node=lost, generation=self.generation,
-                      details={"spare": spare.node, "host": spare.hostname})

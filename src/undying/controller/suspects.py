@@ -11,16 +11,14 @@ the job machine hands them to the switch (strategies/switch.py) while the job tr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from undying import events as ev
 from undying.config import JobSpec
+from undying.controller.membership import Membership
 from undying.controller.stragglers import StragglerWatch
 from undying.events import Event
 from undying.protocol import Heartbeat
-
-if TYPE_CHECKING:
-    from undying.controller.machine import JobMachine
 
 REPLAYED, STOP = "replayed", "stop"  # a bad step's actions the controller acts on (runtime/bad_steps.py)
 
@@ -41,26 +39,27 @@ class Suspects:
         if self.spec.straggler_strategy != "off":
             self.stragglers.observe(beat)
 
-    def find_stragglers(self, job: JobMachine, now: float) -> None:
+    def find_stragglers(self, membership: Membership, emit: Callable[..., None], generation: int,
+                        now: float) -> None:
         """Log the stragglers found since the last call; under ``switch``, keep their nodes to switch."""
         if self.spec.straggler_strategy == "off":
             return
         for straggler in self.stragglers.find(now):
-            record = job.membership.ranks.get(straggler.rank)
+            record = membership.ranks.get(straggler.rank)
             step = record.step if record is not None else None
             switch = self.spec.straggler_strategy == "switch"
             if switch:
                 self.to_switch.setdefault(straggler.node, f"rank {straggler.rank} is a straggler "
                                                           f"({straggler.ratio:.2f} x its peers' busy time per step)")
-            job.emit(ev.STRAGGLER, node=straggler.node, rank=straggler.rank, step=step, generation=job.generation,
+            emit(ev.STRAGGLER, node=straggler.node, rank=straggler.rank, step=step, generation=generation,
                      details={**straggler.details(), "threshold": self.spec.straggler_threshold,
                               "window": self.spec.straggler_window, "strategy": self.spec.straggler_strategy,
-                              "spare_idle": job.membership.idle_spare() is not None})
+                              "spare_idle": membership.idle_spare() is not None})
 
-    def worker_event(self, job: JobMachine, event: Event) -> str:
+    def worker_event(self, membership: Membership, event: Event, ended: bool) -> str:
         """A worker's bad-step events: a ``bad_step`` is given the ranks whose values were bad (before
         it is logged); a replay that was clean may switch their nodes out. Returns why the job stops
-        (a bad step repeated under ``bad_step_repeat: stop``), or ""."""
+        (a bad step repeated under ``bad_step_repeat: stop``, unless it has ``ended``), or ""."""
         if event.step is None:
             return ""
         if event.kind == ev.BAD_VALUE and event.rank is not None:
@@ -77,17 +76,16 @@ class Suspects:
             self.bad_ranks.pop(event.step, None)
             if self.spec.bad_step_transient == "switch":
                 for rank in ranks:
-                    self.to_switch.setdefault(job.membership.node_of(rank),
+                    self.to_switch.setdefault(membership.node_of(rank),
                                               f"rank {rank} had a transient bad step at step {event.step}")
-        elif action == STOP and not job.state.terminal:
+        elif action == STOP and not ended:
             who = f"; bad values on rank(s) {ranks}" if ranks else ""
             return (f"step {event.step} was bad again when replayed ({event.details.get('cause')}{who}); "
                     f"stopped by bad_step_repeat: stop")
         return ""
 
-    def next_switch(self, job: JobMachine) -> tuple[int, str] | None:
+    def next_switch(self, membership: Membership) -> tuple[int, str] | None:
         """A node to switch now: it serves ranks of the generation and a spare is idle (else later)."""
-        membership = job.membership
         for node, why in list(self.to_switch.items()):
             if not membership.node_alive(node) or not set(membership.ranks_of(node)) & set(membership.members):
                 del self.to_switch[node]  # gone or dropped meanwhile: nothing left to move

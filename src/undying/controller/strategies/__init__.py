@@ -5,7 +5,10 @@ recover-in-place -> recover -> elastic-training -> dump -> exit, restricted to w
 enabled; job-level restart (all workers, from the newest verified checkpoint) is the fallback
 under all of them, bounded by ``max_restarts``. Each strategy is one executor
 (``base.Executor``): ``process.py`` (retry, recover-in-place, recover), ``elastic.py``,
-``dump.py``, ``job_restart.py`` (job restart, exit).
+``dump.py``, ``job_restart.py`` (job restart, exit); ``stop.py`` and ``switch.py`` are
+executors the chain never picks (a requested stop, a suspect node moved to a spare). The job
+machine asks the executor that owns what the job does (``executor_for(job.active_strategy())``)
+and, while the job trains, every executor's ``while_running``; it names none of them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from undying.controller.state import EXIT_FAILED, JobState
 from undying.controller.strategies.base import Attempt, Decision, Executor, RecoveryContext, strategy_enabled
 from undying.controller.strategies.dump import Dump
 from undying.controller.strategies.elastic import Elastic
-from undying.controller.strategies.job_restart import CommitDrain, Exit, JobRestart
+from undying.controller.strategies.job_restart import Exit, JobRestart
 from undying.controller.strategies.process import Recover, RecoverInPlace, Retry
 from undying.controller.strategies.stop import GracefulStop
 from undying.controller.strategies.switch import Switch
@@ -29,29 +32,33 @@ from undying.protocol import Phase
 from undying.strategy_names import CHAIN_ORDER, StrategyName
 
 if TYPE_CHECKING:
-    from undying.controller.machine import JobMachine
+    from undying.controller.job import JobCore
 
-__all__ = ["BUILT", "Attempt", "CommitDrain", "Decision", "Executor", "RecoveryContext", "act_on", "decide",
-           "describe_chain",
-           "effective_chain", "executor_for", "handle_fault", "never_started", "unbuilt_strategies"]
+__all__ = ["BUILT", "Attempt", "Decision", "Executor", "RecoveryContext", "act_on", "decide", "describe_chain",
+           "effective_chain", "executor_for", "executors", "handle_fault", "never_started", "unbuilt_strategies"]
 
-ELASTIC_EXECUTOR = Elastic()
 JOB_RESTART_EXECUTOR = JobRestart()
 EXIT_EXECUTOR = Exit()
 STOP_EXECUTOR = GracefulStop()
-SWITCH_EXECUTOR = Switch()
 # Strategies this version carries out. The others are validated and reported, then skipped.
 BUILT: dict[StrategyName, Executor] = {
     StrategyName.RETRY: Retry(), StrategyName.RECOVER_IN_PLACE: RecoverInPlace(), StrategyName.RECOVER: Recover(),
-    StrategyName.ELASTIC: ELASTIC_EXECUTOR, StrategyName.DUMP: Dump(),
+    StrategyName.ELASTIC: Elastic(), StrategyName.DUMP: Dump(),
 }
+# Every executor, in the order the job machine asks them while the job trains (``Executor.while_running``:
+# an elastic grow-back before a switch, which waits while the grow runs).
 _EVERY: dict[StrategyName, Executor] = {**BUILT, StrategyName.JOB_RESTART: JOB_RESTART_EXECUTOR,
                                         StrategyName.EXIT: EXIT_EXECUTOR, StrategyName.STOP: STOP_EXECUTOR,
-                                        StrategyName.SWITCH: SWITCH_EXECUTOR}
+                                        StrategyName.SWITCH: Switch()}
 
 
 def executor_for(name: str) -> Executor:
     return _EVERY[StrategyName(name)]
+
+
+def executors() -> list[Executor]:
+    """Every executor, in the order the job machine asks them while the job trains."""
+    return list(_EVERY.values())
 
 
 def effective_chain(spec: JobSpec) -> list[Executor]:
@@ -103,7 +110,7 @@ def decide(fault: Fault, context: RecoveryContext) -> Decision:
     raise AssertionError("Exit always applies")
 
 
-def handle_fault(job: JobMachine, fault: Fault, now: float) -> None:
+def handle_fault(job: JobCore, fault: Fault, now: float) -> None:
     """A fault seen while the generation trains: log it, then let the chain act on it."""
     if fault.reason in PROCESS_FAULTS:
         # Its own last beat may predate the step it failed in; every rank is in the same step, and the
@@ -118,7 +125,7 @@ def handle_fault(job: JobMachine, fault: Fault, now: float) -> None:
     act_on(job, fault, now)
 
 
-def act_on(job: JobMachine, fault: Fault, now: float, excluded: frozenset[StrategyName] = frozenset(),
+def act_on(job: JobCore, fault: Fault, now: float, excluded: frozenset[StrategyName] = frozenset(),
            stateless: set[int] | None = None) -> None:
     """Decide which strategy handles ``fault`` (skipping ``excluded``) and start it; ``stateless``:
     ranks alive or starting that hold no committed state (a failed recovery's newcomers)."""
@@ -137,13 +144,13 @@ def act_on(job: JobMachine, fault: Fault, now: float, excluded: frozenset[Strate
     executor_for(decision.strategy).start(job, attempt, now)
 
 
-def begin_stop(job: JobMachine, why: str, now: float) -> None:
+def begin_stop(job: JobCore, why: str, now: float) -> None:
     """The job was asked to stop: every rank persists the newest committed step first (stop.py)."""
     fault = Fault(FaultReason.STOP_REQUESTED, step=job.membership.committed_step(), detail=why)
     STOP_EXECUTOR.start(job, Attempt(fault, frozenset(), frozenset(), why), now)
 
 
-def stop_crash_loop(job: JobMachine, why: str, now: float) -> None:
+def stop_crash_loop(job: JobCore, why: str, now: float) -> None:
     """The recoveries bring the job no further: stop it, naming the fault that started the loop."""
     root = job.crash_loop.root_cause()
     job.emit(ev.CRASH_LOOP, node=root.node, rank=root.rank, step=root.step, generation=job.generation,
@@ -151,7 +158,7 @@ def stop_crash_loop(job: JobMachine, why: str, now: float) -> None:
     job.finish(JobState.FAILED, EXIT_FAILED, stop_message(root, why), now)
 
 
-def _lost_ranks(job: JobMachine, fault: Fault) -> set[int]:
+def _lost_ranks(job: JobCore, fault: Fault) -> set[int]:
     membership = job.membership
     extra: set[int] = set()
     if fault.reason == FaultReason.AGENT_LOST and fault.node is not None:
@@ -161,7 +168,7 @@ def _lost_ranks(job: JobMachine, fault: Fault) -> set[int]:
     return membership.lost_ranks(extra)
 
 
-def _context(job: JobMachine, lost_ranks: set[int], excluded: frozenset[StrategyName], step: int) -> RecoveryContext:
+def _context(job: JobCore, lost_ranks: set[int], excluded: frozenset[StrategyName], step: int) -> RecoveryContext:
     membership = job.membership
     lost_nodes = {membership.ranks[rank].node for rank in lost_ranks if rank in membership.ranks}
     restoring = {rank for rank, record in membership.ranks.items()

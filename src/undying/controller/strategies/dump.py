@@ -20,7 +20,7 @@ from undying.faults import Fault
 from undying.strategy_names import StrategyName
 
 if TYPE_CHECKING:
-    from undying.controller.machine import JobMachine
+    from undying.controller.job import JobCore
     from undying.controller.recovery import ActiveRecovery
 
 
@@ -35,11 +35,11 @@ class Dump(ProcessRecovery):
             return "no more than half of the ranks are healthy"
         return within_budget(context)
 
-    def gather_newcomers(self, job: JobMachine, recovery: ActiveRecovery, lost: set[int], now: float,
+    def gather_newcomers(self, job: JobCore, recovery: ActiveRecovery, lost: set[int], now: float,
                          excluded: frozenset[StrategyName]) -> None:
         return None  # nothing restarts before the dump: the job restarts after it
 
-    def on_worker_event(self, job: JobMachine, event: Event, now: float) -> None:
+    def on_worker_event(self, job: JobCore, event: Event, now: float) -> None:
         if event.kind != ev.DUMP_COMMITTED:
             return
         why = f"dying checkpoint of step {event.step} committed"

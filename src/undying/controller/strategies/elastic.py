@@ -2,8 +2,9 @@
 
 Runs in the controller, inside the job machine. The recovery itself is the process-level one
 (``process.py``) with the awaited nodes' ranks dropped once ``wait_reschedule_timeout`` passes
-(``resize.shrink``); the global batch stays ``world_size`` slots (the workers' loader and
-gradient sync weight the replicas). The grow-back runs while the job trains (``resize``).
+(``resize.shrink``: a recover that waited for the node hands the recovery over to elastic
+training then); the global batch stays ``world_size`` slots (the workers' loader and
+gradient sync weight the replicas). The grow-back runs while the job trains (``while_running``, ``resize``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from undying.faults import Fault
 from undying.strategy_names import StrategyName
 
 if TYPE_CHECKING:
-    from undying.controller.machine import JobMachine
+    from undying.controller.job import JobCore
 
 
 class Elastic(ProcessRecovery):
@@ -36,6 +37,6 @@ class Elastic(ProcessRecovery):
             return f"{nodes_left} node(s) left, below min_nodes ({context.spec.fewest_nodes})"
         return within_budget(context)
 
-    def grow_if_nodes_returned(self, job: JobMachine, now: float) -> None:
+    def while_running(self, job: JobCore, now: float) -> None:
         """While the job trains shrunk: bring back the ranks of a dropped node whose agent returned."""
         grow_if_nodes_returned(job, now)

@@ -14,14 +14,15 @@ fitness.py). Exit ends the job as failed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from undying import events as ev
+from undying.controller.commit_drain import CommitDrain
 from undying.controller.deadlines import Deadlines
 from undying.controller.state import EXIT_FAILED, JobState
 from undying.controller.strategies.base import (
     Attempt,
+    Executor,
     RecoveryContext,
     rescheduling_off,
     strategy_enabled,
@@ -34,61 +35,20 @@ from undying.protocol import Order, OrderKind
 from undying.strategy_names import StrategyName
 
 if TYPE_CHECKING:
-    from undying.controller.machine import JobMachine
+    from undying.controller.job import JobCore
 
 
-@dataclass
-class CommitDrain:
-    """A job restart's stop orders held while the rank that commits ``step``'s T2 checkpoint (its
-    persister busy with it, as its newest heartbeat said) finishes: every record is in, or it gives up."""
-
-    step: int
-    rank: int
-    why: str  # the restart's fault, for its stop orders
-    started: float
-    until: float
-    outcome: str = ""
-
-    @classmethod
-    def for_restart(cls, job: JobMachine, why: str, now: float) -> CommitDrain | None:
-        """The commit to wait for: of a checkpoint newer than the newest durable one, not failed already."""
-        health, membership = job.persist_health, job.membership
-        for record in membership.ranks.values():
-            step = record.committing
-            if step and step > (health.newest_step or 0) and step not in health.failed_steps \
-                    and record.exitcode is None and membership.node_alive(record.node):
-                return cls(step, record.rank, why, now, now + job.deadlines.commit_drain)
-        return None
-
-    def worker_event(self, event: Event) -> None:
-        if event.step == self.step and event.kind in (ev.CHECKPOINT_SAVE, ev.PERSIST_FAILED) and not self.outcome:
-            self.outcome = "committed" if event.kind == ev.CHECKPOINT_SAVE else "failed"
-
-    def over(self, job: JobMachine, now: float) -> str:
-        """Why the wait is over ("" while it is not)."""
-        record = job.membership.ranks.get(self.rank)
-        if self.outcome:
-            return self.outcome
-        if record is None or record.exitcode is not None or not job.membership.node_alive(record.node):
-            return "its writer is gone"
-        return "timed out" if now > self.until else ""
-
-
-def begin_job_restart(job: JobMachine, why: str, now: float, count: bool = True) -> None:
-    """Stop every worker; the next generation starts once they are gone and every node is back."""
-    if count:
-        job.restart_count += 1
-    job.job_restarts += 1
-    job.recovery = None
-    job.abort_generation = job.generation
+def begin_job_restart(job: JobCore, why: str, now: float, count: bool = True) -> None:
+    """Stop every worker; the next generation starts once they are gone and every node is back. The
+    job restart's executor owns the job from here (stopping, restarting)."""
+    job.begin_restart(StrategyName.JOB_RESTART, counted=count)
     job.emit(ev.RESTART_BEGIN, generation=job.generation, details={"restart_count": job.restart_count, "fault": why})
-    job.commit_drain = CommitDrain.for_restart(job, why, now)
-    job.transition(JobState.STOPPING)
+    job.commit_drain = CommitDrain.for_restart(job.membership, job.persist_health, job.deadlines, why, now)
     if job.commit_drain is None:
         stop_workers(job, why, now)
 
 
-def stop_workers(job: JobMachine, why: str, now: float) -> None:
+def stop_workers(job: JobCore, why: str, now: float) -> None:
     """Order every agent to stop its workers; each checks its node again once they are gone."""
     job.order_all(Order(kind=OrderKind.STOP, generation=job.generation, reason=why))
     for node in job.membership.nodes.values():
@@ -96,7 +56,7 @@ def stop_workers(job: JobMachine, why: str, now: float) -> None:
     job.state_deadline = now + job.deadlines.stop
 
 
-def shrunk_restart_members(job: JobMachine) -> list[int] | None:
+def shrunk_restart_members(job: JobCore) -> list[int] | None:
     """The members a job restart of a shrunk elastic job starts with: the current members whose
     node is alive, if they span at least ``min_nodes`` nodes. None: restart every rank of the job,
     once every node is back (elastic training off, the job at full size, or too few nodes left).
@@ -115,7 +75,7 @@ def shrunk_restart_members(job: JobMachine) -> list[int] | None:
     return members
 
 
-class JobRestart:
+class JobRestart(Executor):
     """Restart every worker on every node from the newest verified checkpoint."""
 
     name = StrategyName.JOB_RESTART
@@ -124,14 +84,14 @@ class JobRestart:
     def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
         return rescheduling_off(context) or within_budget(context)
 
-    def start(self, job: JobMachine, attempt: Attempt, now: float) -> None:
+    def start(self, job: JobCore, attempt: Attempt, now: float) -> None:
         begin_job_restart(job, attempt.fault.describe(), now)
 
-    def progress(self, job: JobMachine, now: float) -> None:
+    def progress(self, job: JobCore, now: float) -> None:
         membership = job.membership
         drain = job.commit_drain
         if job.state is JobState.STOPPING and drain is not None:
-            outcome = drain.over(job, now)
+            outcome = drain.over(membership, now)
             if outcome:
                 job.emit(ev.COMMIT_DRAIN, rank=drain.rank, step=drain.step, generation=job.generation,
                          details={"outcome": outcome, "seconds": round(now - drain.started, 3)})
@@ -154,17 +114,15 @@ class JobRestart:
             elif now > job.state_deadline:
                 job.finish(JobState.FAILED, EXIT_FAILED, job.membership.missing_message("restart", job.spec.node_return_timeout), now)
 
-    def on_worker_event(self, job: JobMachine, event: Event, now: float) -> None:
-        return None
+    def on_worker_event(self, job: JobCore, event: Event, now: float) -> None:
+        if job.commit_drain is not None:
+            job.commit_drain.worker_event(event)
 
     def deadline(self, deadlines: Deadlines) -> float:
         return deadlines.commit_drain + deadlines.stop + deadlines.node_return
 
-    def fallback(self, tried: frozenset[StrategyName]) -> frozenset[StrategyName]:
-        return tried | {self.name}
 
-
-class Exit:
+class Exit(Executor):
     """Stop the job with a non-zero exit."""
 
     name = StrategyName.EXIT
@@ -173,15 +131,9 @@ class Exit:
     def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
         return None
 
-    def start(self, job: JobMachine, attempt: Attempt, now: float) -> None:
+    def start(self, job: JobCore, attempt: Attempt, now: float) -> None:
         message = f"{attempt.fault.describe()}; no recovery left: {attempt.reason}"
         job.finish(JobState.FAILED, EXIT_FAILED, message, now)
-
-    def progress(self, job: JobMachine, now: float) -> None:
-        return None
-
-    def on_worker_event(self, job: JobMachine, event: Event, now: float) -> None:
-        return None
 
     def deadline(self, deadlines: Deadlines) -> float:
         return 0.0

@@ -14,63 +14,43 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from undying import events as ev
-from undying.controller.deadlines import Deadlines
 from undying.controller.recovery import ActiveRecovery
-from undying.controller.state import JobState
 from undying.controller.strategies.base import (
     Attempt,
+    Executor,
     RecoveryContext,
     rescheduling_off,
     strategy_enabled,
     within_budget,
 )
 from undying.controller.strategies.resize import shrink
-from undying.events import Event
 from undying.faults import PROCESS_FAULTS, Fault, FaultReason
 from undying.protocol import PlanAction
 from undying.strategy_names import StrategyName
 
 if TYPE_CHECKING:
-    from undying.controller.machine import JobMachine
+    from undying.controller.job import JobCore
 
 
-class ProcessRecovery:
-    """The execution every process-level strategy shares; subclasses say when they apply."""
+class ProcessRecovery(Executor):
+    """The execution every process-level strategy shares; subclasses say when they apply. A failed
+    one falls back in MindCluster's order (``Executor.fallback``): a failed recover-in-place goes on
+    to recover, elastic training, dump, then a job restart, each only if it applies to what is known now."""
 
-    name: StrategyName
-    needs_committed_survivors = True
     begin_event = ev.RECOVERY_BEGIN  # what its start is logged as (the dump: dump_begin)
-
-    def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
-        raise NotImplementedError
-
-    def deadline(self, deadlines: Deadlines) -> float:
-        return deadlines.recovery
-
-    def fallback(self, tried: frozenset[StrategyName]) -> frozenset[StrategyName]:
-        # MindCluster's order: a failed recover-in-place goes on to recover, elastic training, dump,
-        # then a job restart, each only if it applies to what is known now.
-        return tried | {self.name}
-
-    def on_worker_event(self, job: JobMachine, event: Event, now: float) -> None:
-        return None
 
     # ---------------------------------------------------------------- start
 
-    def start(self, job: JobMachine, attempt: Attempt, now: float) -> None:
+    def start(self, job: JobCore, attempt: Attempt, now: float) -> None:
         fault, lost = attempt.fault, set(attempt.lost)
-        job.restart_count += 1
         old_generation = job.generation
-        job.generation += 1
-        job.abort_generation = old_generation
         members = job.membership.members
         survivors = set(members) - lost
-        recovery = ActiveRecovery(self.name, fault, old_generation, job.generation, list(members),
+        recovery = ActiveRecovery(self.name, fault, old_generation, old_generation + 1, list(members),
                                   survivors=survivors, started=now, deadline=now + self.deadline(job.deadlines),
                                   tried=set(attempt.excluded))
+        job.begin_recovery(recovery)
         self.gather_newcomers(job, recovery, lost, now, attempt.excluded)
-        job.recovery = recovery
-        job.transition(JobState.RECOVERING)
         details: dict[str, Any] = {"strategy": self.name, "old_generation": old_generation,
                                    "survivors": sorted(survivors), "newcomers": sorted(recovery.newcomers),
                                    "awaited_nodes": sorted(recovery.awaited_nodes)}
@@ -78,7 +58,7 @@ class ProcessRecovery:
             details["shrink_after"] = round(recovery.reschedule_deadline - now, 3)
         job.emit(self.begin_event, generation=job.generation, step=fault.step, details=details)
 
-    def gather_newcomers(self, job: JobMachine, recovery: ActiveRecovery, lost: set[int], now: float,
+    def gather_newcomers(self, job: JobCore, recovery: ActiveRecovery, lost: set[int], now: float,
                          excluded: frozenset[StrategyName]) -> None:
         """Restart the lost ranks: at once on a live node, on a lost node once its agent (or a spare) is back."""
         membership = job.membership
@@ -104,7 +84,7 @@ class ProcessRecovery:
 
     # ---------------------------------------------------------------- progress
 
-    def progress(self, job: JobMachine, now: float) -> None:
+    def progress(self, job: JobCore, now: float) -> None:
         recovery = job.recovery
         assert recovery is not None
         membership = job.membership
@@ -132,7 +112,7 @@ class ProcessRecovery:
             waiting = recovery.missing() or sorted(recovery.awaited_nodes)
             self.fail(job, f"{recovery.strategy} timed out waiting for {waiting}", None, now)
 
-    def publish_plan(self, job: JobMachine, recovery: ActiveRecovery, now: float) -> None:
+    def publish_plan(self, job: JobCore, recovery: ActiveRecovery, now: float) -> None:
         membership = job.membership
         plan = recovery.make_plan()
         job.plans[plan.generation] = plan
@@ -154,10 +134,9 @@ class ProcessRecovery:
             job.emit(ev.ELASTIC_GROW, generation=plan.generation, step=plan.target_step,
                      details={"old_world_size": old_world, "new_world_size": len(membership.members),
                               "seconds": round(now - recovery.started, 4)})
-        job.recovery = None
-        job.transition(JobState.RUNNING)
+        job.end_recovery()
 
-    def absorb(self, job: JobMachine, fault: Fault, recovery: ActiveRecovery, now: float) -> bool:
+    def absorb(self, job: JobCore, fault: Fault, recovery: ActiveRecovery, now: float) -> bool:
         """A second fault that the running recovery can take in: a survivor's process died before
         it checked in (it becomes a replacement too), or the same fault seen twice."""
         if fault.reason == FaultReason.STEP_FAILED:
@@ -176,21 +155,20 @@ class ProcessRecovery:
             recovery.survivors.discard(rank)
             recovery.newcomers.add(rank)
             if recovery.strategy == StrategyName.RETRY:
-                recovery.tried.add(StrategyName.RETRY)
-                recovery.strategy = StrategyName.RECOVER_IN_PLACE
+                job.hand_over(StrategyName.RECOVER_IN_PLACE,
+                              f"rank {rank}'s process is gone: it restarts on its node")
             job.replace(record.node, [rank], now)
             return bool(recovery.survivors)
         return False
 
-    def fail(self, job: JobMachine, why: str, fault: Fault | None, now: float) -> None:
+    def fail(self, job: JobCore, why: str, fault: Fault | None, now: float) -> None:
         """The recovery cannot finish: log it and let the chain decide again, on the newest fault,
         without the strategies tried for it. Its newcomers hold no state yet: they count as lost."""
         recovery = job.recovery
         assert recovery is not None
         job.emit(ev.RECOVERY_FAILED, generation=job.generation, details={"strategy": recovery.strategy, "why": why})
         job.count_fault(FaultReason.RECOVERY_FAILED)
-        job.recovery = None
-        job.transition(JobState.RUNNING)
+        job.end_recovery()
         tried = self.fallback(frozenset(recovery.tried))
         job.act_on(fault or recovery.fault, now, tried, stateless=set(recovery.newcomers))
 
@@ -208,7 +186,7 @@ class Retry(ProcessRecovery):
             return f"step already retried {context.retries_at_step} times"
         return within_budget(context)
 
-    def start(self, job: JobMachine, attempt: Attempt, now: float) -> None:
+    def start(self, job: JobCore, attempt: Attempt, now: float) -> None:
         step = job.membership.committed_step()
         job.retries[step] = job.retries.get(step, 0) + 1
         super().start(job, attempt, now)

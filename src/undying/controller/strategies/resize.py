@@ -14,17 +14,16 @@ from typing import TYPE_CHECKING
 from undying import events as ev
 from undying.controller.membership import RankRecord
 from undying.controller.recovery import ActiveRecovery
-from undying.controller.state import JobState
 from undying.controller.strategies.base import strategy_enabled
 from undying.faults import Fault, FaultReason
 from undying.protocol import Phase
 from undying.strategy_names import StrategyName
 
 if TYPE_CHECKING:
-    from undying.controller.machine import JobMachine
+    from undying.controller.job import JobCore
 
 
-def shrink(job: JobMachine, recovery: ActiveRecovery, now: float) -> str | None:
+def shrink(job: JobCore, recovery: ActiveRecovery, now: float) -> str | None:
     """Drop the nodes that did not come back from the recovery; why not, if that leaves too few."""
     membership = job.membership
     dropped_nodes = sorted(recovery.awaited_nodes)
@@ -38,13 +37,17 @@ def shrink(job: JobMachine, recovery: ActiveRecovery, now: float) -> str | None:
     refused = sharded_refusal(job, members)
     if refused is not None:
         return refused
+    if recovery.strategy != StrategyName.ELASTIC:
+        # Elastic training drives the shrunk recovery from here; if it fails, both were tried.
+        job.hand_over(StrategyName.ELASTIC, f"node(s) {dropped_nodes} did not come back within "
+                                            f"wait_reschedule_timeout: the job trains on without them")
+    else:
+        recovery.tried.add(StrategyName.ELASTIC)
     old_world = len(recovery.members)
     recovery.members = members
     recovery.newcomers -= dropped
     recovery.newcomers_ready -= dropped
     recovery.awaited_nodes.clear()
-    recovery.tried.add(StrategyName(recovery.strategy))  # if the shrunk recovery fails, both were tried
-    recovery.strategy = StrategyName.ELASTIC
     recovery.deadline = now + job.deadlines.recovery
     for rank in dropped:
         membership.ranks.pop(rank, None)
@@ -55,7 +58,7 @@ def shrink(job: JobMachine, recovery: ActiveRecovery, now: float) -> str | None:
     return None
 
 
-def sharded_refusal(job: JobMachine, members: list[int]) -> str | None:
+def sharded_refusal(job: JobCore, members: list[int]) -> str | None:
     """Why a sharded job cannot train on ``members`` (None if it can, or if it is data parallel): they
     must be whole replicas, and with ``elastic_batch: grow`` as many of them as give every rank an
     equal share of the step's slots (FSDP divides every rank's gradient by one factor)."""
@@ -74,7 +77,7 @@ def sharded_refusal(job: JobMachine, members: list[int]) -> str | None:
     return None
 
 
-def grow_if_nodes_returned(job: JobMachine, now: float) -> None:
+def grow_if_nodes_returned(job: JobCore, now: float) -> None:
     """Elastic grow-back: a node dropped by a shrink is alive again; bring its ranks back in."""
     membership = job.membership
     if len(membership.members) >= job.spec.world_size or not strategy_enabled(job.spec, StrategyName.ELASTIC):
@@ -120,21 +123,18 @@ def grow_if_nodes_returned(job: JobMachine, now: float) -> None:
         job.order_replace(node, membership.ranks_of(node), pending.generation, now, grow=True)
 
 
-def _begin_grow(job: JobMachine, pending: ActiveRecovery, now: float) -> None:
+def _begin_grow(job: JobCore, pending: ActiveRecovery, now: float) -> None:
     """Every returned rank is up: end the running generation and regroup with them."""
     membership = job.membership
     job.pending_grow = None
     old_generation = job.generation
-    job.generation = pending.generation
-    # Survivors leave at their next step boundary and check in; the first check-in aborts what a
-    # straggler has in flight (recovery.note_check_in): a step is never half committed.
-    job.end_generation = old_generation
     for rank in sorted(pending.newcomers):
         membership.ranks[rank] = RankRecord(rank, membership.node_of(rank), pending.generation, now,
                                             step_known=False)
     pending.deadline = now + job.deadlines.recovery
-    job.recovery = pending
-    job.transition(JobState.RECOVERING)
+    # Survivors leave at their next step boundary and check in; the first check-in aborts what a
+    # straggler has in flight (Executor.check_in): a step is never half committed.
+    job.begin_recovery(pending, at_boundary=True, counted=False)
     job.emit(ev.RECOVERY_BEGIN, generation=job.generation, step=membership.committed_step(),
              details={"strategy": StrategyName.ELASTIC, "grow": True, "old_generation": old_generation,
                       "survivors": sorted(pending.survivors), "newcomers": sorted(pending.newcomers),

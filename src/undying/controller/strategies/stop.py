@@ -28,7 +28,7 @@ from undying.faults import Fault
 from undying.strategy_names import StrategyName
 
 if TYPE_CHECKING:
-    from undying.controller.machine import JobMachine
+    from undying.controller.job import JobCore
 
 
 class GracefulStop(ProcessRecovery):
@@ -43,24 +43,23 @@ class GracefulStop(ProcessRecovery):
     def deadline(self, deadlines: Deadlines) -> float:
         return deadlines.graceful_stop
 
-    def start(self, job: JobMachine, attempt: Attempt, now: float) -> None:
+    def start(self, job: JobCore, attempt: Attempt, now: float) -> None:
         old_generation = job.generation
-        job.generation += 1
-        # The ranks finish their step in flight and check in at the boundary; the first check-in
-        # aborts a straggler's step (recovery.note_check_in), so every rank holds the same step.
-        job.end_generation = old_generation
         members = list(job.membership.members)
-        job.recovery = ActiveRecovery(self.name, attempt.fault, old_generation, job.generation, members,
-                                      survivors=set(members), started=now, deadline=now + self.deadline(job.deadlines))
-        job.transition(JobState.RECOVERING)
+        # The ranks finish their step in flight and check in at the boundary; the first check-in
+        # aborts a straggler's step (Executor.check_in), so every rank holds the same step.
+        job.begin_recovery(ActiveRecovery(self.name, attempt.fault, old_generation, old_generation + 1, members,
+                                          survivors=set(members), started=now,
+                                          deadline=now + self.deadline(job.deadlines)),
+                           at_boundary=True, counted=False)
         job.emit(self.begin_event, generation=job.generation, step=job.membership.committed_step(),
                  details={"why": attempt.reason, "old_generation": old_generation})
 
-    def gather_newcomers(self, job: JobMachine, recovery: ActiveRecovery, lost: set[int], now: float,
+    def gather_newcomers(self, job: JobCore, recovery: ActiveRecovery, lost: set[int], now: float,
                          excluded: frozenset[StrategyName]) -> None:
         return None
 
-    def on_worker_event(self, job: JobMachine, event: Event, now: float) -> None:
+    def on_worker_event(self, job: JobCore, event: Event, now: float) -> None:
         recovery = job.recovery
         if recovery is None or recovery.plan is None or event.step != recovery.plan.target_step:
             return
@@ -72,7 +71,7 @@ class GracefulStop(ProcessRecovery):
             self.fail(job, f"the checkpoint of step {event.step} failed on rank {event.rank}: "
                            f"{event.details.get('reason')}", None, now)
 
-    def fail(self, job: JobMachine, why: str, fault: Fault | None, now: float) -> None:
+    def fail(self, job: JobCore, why: str, fault: Fault | None, now: float) -> None:
         """Nothing to fall back to: the job is cancelled, and its newest durable checkpoint is the last
         one the job committed before the stop."""
         recovery = job.recovery

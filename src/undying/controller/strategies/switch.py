@@ -20,14 +20,13 @@ from typing import TYPE_CHECKING
 
 from undying import events as ev
 from undying.controller.recovery import ActiveRecovery
-from undying.controller.state import JobState
 from undying.controller.strategies.base import Attempt, RecoveryContext
 from undying.controller.strategies.process import ProcessRecovery
 from undying.faults import Fault, FaultReason
 from undying.strategy_names import StrategyName
 
 if TYPE_CHECKING:
-    from undying.controller.machine import JobMachine
+    from undying.controller.job import JobCore
 
 
 class Switch(ProcessRecovery):
@@ -39,9 +38,9 @@ class Switch(ProcessRecovery):
     def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
         return "not a recovery"  # started by the job machine for a suspect node, never by the chain
 
-    def switch_if_due(self, job: JobMachine, now: float) -> None:
+    def while_running(self, job: JobCore, now: float) -> None:
         """While the job trains: switch a node ``job.suspects`` keeps, if a spare is idle for it."""
-        due = job.suspects.next_switch(job)
+        due = job.suspects.next_switch(job.membership)
         if due is None:
             return
         node, why = due
@@ -51,26 +50,24 @@ class Switch(ProcessRecovery):
         fault = Fault(FaultReason.SWITCH, node=node, step=job.membership.committed_step(), detail=why)
         self.start(job, Attempt(fault, frozenset(), frozenset(), why), now)
 
-    def start(self, job: JobMachine, attempt: Attempt, now: float) -> None:
+    def start(self, job: JobCore, attempt: Attempt, now: float) -> None:
         membership = job.membership
         node = attempt.fault.node
         assert node is not None
         old_generation = job.generation
-        job.generation += 1
-        job.end_generation = old_generation  # each rank finishes its step in flight, then checks in
         members = list(membership.members)
         moving = {rank for rank in membership.ranks_of(node) if rank in members}
-        recovery = ActiveRecovery(self.name, attempt.fault, old_generation, job.generation, members,
+        recovery = ActiveRecovery(self.name, attempt.fault, old_generation, old_generation + 1, members,
                                   survivors=set(members) - moving, newcomers=moving, awaited_nodes={node},
                                   started=now, deadline=now + self.deadline(job.deadlines), retiring=node)
-        job.recovery = recovery
-        job.transition(JobState.RECOVERING)
+        # Each rank finishes its step in flight, then checks in.
+        job.begin_recovery(recovery, at_boundary=True, counted=False)
         spare = membership.idle_spare()
         job.emit(self.begin_event, node=node, generation=job.generation, step=attempt.fault.step,
                  details={"why": attempt.reason, "spare": None if spare is None else spare.node,
                           "ranks": sorted(moving), "old_generation": old_generation})
 
-    def progress(self, job: JobMachine, now: float) -> None:
+    def progress(self, job: JobCore, now: float) -> None:
         recovery = job.recovery
         assert recovery is not None
         if recovery.retiring is not None:
@@ -87,7 +84,7 @@ class Switch(ProcessRecovery):
             recovery.retiring = None
         super().progress(job, now)
 
-    def fail(self, job: JobMachine, why: str, fault: Fault | None, now: float) -> None:
+    def fail(self, job: JobCore, why: str, fault: Fault | None, now: float) -> None:
         """The chain takes over, on the second fault or, without one, on the switched node as lost."""
         recovery = job.recovery
         assert recovery is not None
