@@ -12,6 +12,7 @@ the strategies.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,7 @@ class Effects:
     news: bool = False  # a decision may be due now (a new step failure, a recovery's last check-in)
 
 
-class JobCore:
+class JobCore(ABC):
     """One job's membership, health, generations and recoveries. Not thread-safe: the shell serialises calls."""
 
     def __init__(self, spec: JobSpec, job_id: str, store_address: str, injections_text: str = "",
@@ -106,11 +107,11 @@ class JobCore:
         the job restart's (stopping, restarting); None while the job waits, trains or has ended."""
         return self.recovery.strategy if self.recovery is not None else self.restarting_by
 
+    @abstractmethod
     def act_on(self, fault: Fault, now: float, excluded: frozenset[StrategyName] = frozenset(),
                stateless: set[int] | None = None) -> None:
         """Let the chain decide again (a recovery failed: without the strategies in ``excluded``);
         the job machine walks the chain (``strategies.act_on``)."""
-        raise NotImplementedError
 
     def transition(self, target: JobState) -> None:
         check_transition(self.state, target)
