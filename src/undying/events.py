@@ -57,7 +57,8 @@ class EventKind(StrEnum):
     RECOVERED = "recovered"  # a worker finished its part of a recovery (phase timings in details)
     RECOVERY_FAILED = "recovery_failed"  # a process-level recovery gave up; the chain falls back
     # The executor that owns a recovery hands it to another, which drives it from then on (from, to, why):
-    # retry to recover-in-place (a process is gone), a recover to elastic-training (its node did not come back).
+    # retry to recover-in-place (a process is gone), a recover to elastic-training (its node did not come back),
+    # the dump to job-restart (its checkpoint is committed).
     RECOVERY_HANDOVER = "recovery_handover"
     REPLACE = "replace"  # an agent was told to restart only some ranks
     RNG_NOT_MIRRORED = "rng_not_mirrored"

@@ -738,6 +738,8 @@ def test_a_dump_writes_the_dying_checkpoint_then_the_job_restarts(make_job):
     assert job.controller.state is JobState.STOPPING
     [restart] = job.events(ev.RESTART_BEGIN)
     assert restart.details["fault"] == "dying checkpoint of step 9 committed"
+    [handover] = job.events(ev.RECOVERY_HANDOVER)  # the dump's executor gave the recovery to the job restart's
+    assert (handover.details["from"], handover.details["to"]) == ("dump", "job-restart")
 
     # The job-level restart starts every rank afresh once the lost node is back.
     for node in (0, 1):

@@ -2,8 +2,8 @@
 
 Runs in the controller, inside the job machine. The dump reuses the process-level recovery's
 check-in (the survivors report their committed step; the plan's action is ``dump`` and names
-the source); when the source reports ``dump_committed`` the job restarts and loads it like
-any checkpoint. A fault during the dump fails it: the restart loads the last periodic one.
+the source); when the source reports ``dump_committed`` the dump hands the recovery over to the
+job restart, which loads it like any checkpoint. A fault during the dump fails it: the restart loads the last periodic one.
 """
 
 from __future__ import annotations
@@ -47,5 +47,7 @@ class Dump(ProcessRecovery):
             # No restart to load it: the job ends, and its next run resumes from the dump.
             job.finish(JobState.FAILED, EXIT_FAILED, f"{why}; fault_scheduling is off, the job is not restarted", now)
             return
-        # The dump already counted against max_restarts: the restart that loads it is the same recovery.
+        # The dump already counted against max_restarts: the restart that loads it is the same recovery,
+        # handed over to the job restart's executor.
+        job.hand_over(StrategyName.JOB_RESTART, f"{why}: the job restarts from it")
         begin_job_restart(job, why, now, count=False)
