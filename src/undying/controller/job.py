@@ -117,6 +117,10 @@ class JobCore(ABC):
         check_transition(self.state, target)
         self.state = target
 
+    def abort_through(self, generation: int) -> None:
+        """Every rank of ``generation`` or older leaves its collectives (told by its next heartbeat reply)."""
+        self.abort_generation = max(self.abort_generation, generation)
+
     # ---------------------------------------------------------------- recoveries
 
     def begin_recovery(self, recovery: ActiveRecovery, at_boundary: bool = False, counted: bool = True) -> None:
@@ -130,7 +134,7 @@ class JobCore(ABC):
         if at_boundary:
             self.end_generation = old_generation
         else:
-            self.abort_generation = old_generation
+            self.abort_through(old_generation)
         self.recovery = recovery
         self.transition(JobState.RECOVERING)
 
@@ -158,7 +162,7 @@ class JobCore(ABC):
         self.job_restarts += 1
         self.recovery = None
         self.restarting_by = by
-        self.abort_generation = self.generation
+        self.abort_through(self.generation)
         self.transition(JobState.STOPPING)
 
     # ---------------------------------------------------------------- generations

@@ -230,7 +230,8 @@ class JobMachine(JobCore):
             record.done = True
             record.step = event.step or record.step
             record.step_known = record.step_known or bool(event.step)
-        stop = self.suspects.worker_event(self.membership, event, self.state.terminal)  # names a bad step's ranks before it is logged
+        # Names a bad step's ranks before it is logged.
+        stop = self.suspects.worker_event(self.membership, event, self.state.terminal)
         self.effects.events.append(event)
         if stop:
             self.finish(JobState.FAILED, EXIT_FAILED, stop, now)

@@ -114,7 +114,7 @@ class Executor:
             recovery.checked_in[request.rank] = request.committed_step
             # A grow ends the generation at a step boundary; a rank that left it at one checked in, so a
             # step the others still have in flight can no longer commit anywhere: abort it.
-            job.abort_generation = max(job.abort_generation, recovery.old_generation)
+            job.abort_through(recovery.old_generation)
         if recovery.plan is None and recovery.ready() and not was_ready:
             job.effects.news = True
 

@@ -39,8 +39,8 @@ def shrink(job: JobCore, recovery: ActiveRecovery, now: float) -> str | None:
         return refused
     if recovery.strategy != StrategyName.ELASTIC:
         # Elastic training drives the shrunk recovery from here; if it fails, both were tried.
-        job.hand_over(StrategyName.ELASTIC, f"node(s) {dropped_nodes} did not come back within "
-                                            f"wait_reschedule_timeout: the job trains on without them")
+        job.hand_over(StrategyName.ELASTIC, f"node(s) {dropped_nodes} not back in time (waited "
+                                            f"{now - recovery.started:.3g} s): the job trains on without them")
     else:
         recovery.tried.add(StrategyName.ELASTIC)
     old_world = len(recovery.members)
