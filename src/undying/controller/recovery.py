@@ -1,11 +1,11 @@
 """One process-level recovery in progress: who it waits for, who checked in, and the plan it produces.
 
 Runs in the controller. The executor that owns it (``strategy``: strategies/) records the
-workers' check-ins to it (``Executor.check_in``). Survivors check in with the committed step they hold; replacement
-ranks check in once started. When everyone expected has checked in, the plan names the
-step everyone resumes from (the newest step a survivor holds: a step some survivor
-applied cannot be undone, so the others catch up), one healthy replica at that step as
-the source, and the ranks that receive the state from it (the newcomers and any
+workers' check-ins to it (``Executor.check_in``). Survivors check in with the committed step
+they hold; replacement ranks check in once started. When everyone expected has checked in,
+the plan names the step everyone resumes from (the newest step a survivor holds: a step
+some survivor applied cannot be undone, so the others catch up), one healthy replica at that
+step as the source, and the ranks that receive the state from it (the newcomers and any
 survivor that is a step behind). An elastic shrink drops a lost node's ranks from the
 recovery's members; an elastic grow adds a returned node's ranks to them.
 """
