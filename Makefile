@@ -22,7 +22,7 @@ test: $(STAMP)
 	@scripts/ensure-etcd.sh
 	@scripts/ensure-tmux.sh
 	@scripts/ensure-slurm.sh
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=40 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples bench
