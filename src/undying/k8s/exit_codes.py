@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from undying.agent import EXIT_NODE_LEFT
+from undying.agent.node_agent import EXIT_NODE_LEFT
 from undying.controller.state import EXIT_CANCELLED, EXIT_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_STOPPED
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TextIO
 
-from undying.console_streams import STDERR, STDOUT
+from undying.agent.console_streams import STDERR, STDOUT
 
 REDRAW_EVERY = 0.5  # seconds between two redraws of an unchanged progress line's clock
 WORKER_BACKLOG = 1 << 20  # bytes of worker lines waiting for the terminal; more are dropped

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from undying.data_sampler import (
+from undying.data.sampler import (
     ACCUMULATE,
     ELASTIC_BATCH_MODES,
     EPOCH_SEED_STRIDE,
