@@ -272,7 +272,7 @@ def adam_placement(cpu: bool) -> int:
 
 
 def node_check(cpu: bool) -> int:
-    """The device part of a node's health check (undying/node_check.py) on this machine: the devices
+    """The device part of a node's health check (undying/agent/node_check.py) on this machine: the devices
     an NCCL rank would use are seen and compute a small matmul right (on CPU: gloo's CPU matmul)."""
     from undying.agent.node_check import device_check
 

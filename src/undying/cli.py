@@ -2,6 +2,8 @@
 
 Runs in the user's shell process. Every bad input ends in one line
 ``undying: error: ...`` and exit code 2, before anything is started or written.
+Each command's work is in its package: ``undying.launch`` (run, status, stop, demo),
+``undying.report``, ``undying.k8s``, ``undying.slurm``.
 """
 
 from __future__ import annotations

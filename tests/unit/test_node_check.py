@@ -1,4 +1,4 @@
-"""Health checks before a node is used: each item of a node's check (node_check.py), and a node that
+"""Health checks before a node is used: each item of a node's check (agent/node_check.py), and a node that
 fails it never given ranks (the job machine on a fake clock: controller/fitness.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The node's warm standby (undying/standby.py) and the agent's handle on it (warm_standby.py): a
+"""The node's warm standby (undying/agent/standby.py) and the agent's handle on it (warm_standby.py): a
 forked worker runs its script as ``python script.py`` would, its exit (code or signal) reaches the
 agent, no worker outlives the standby, and where the agent stops the job on SIGTERM the standby and
 its workers ignore it."""

@@ -2,7 +2,7 @@
 
 Runs in worker processes: each rank holds one ``ResumableLoader`` (made by ``ft.dataloader``); its
 ``state_dict`` is part of every snapshot, and ``reshard`` and ``set_replicas`` are how a world-size
-change keeps the global sample order. Which indices come next is planned in data_sampler.py.
+change keeps the global sample order. Which indices come next is planned in sampler.py.
 """
 
 from __future__ import annotations

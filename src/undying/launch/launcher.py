@@ -11,7 +11,7 @@ an agent that joins ``--controller HOST:PORT`` (``--standby`` there: a spare nod
 
 The console (``terminal.py``) shows the job's events, a live progress line where the controller
 runs (``progress.py``), and the output of this machine's workers: each agent relays its workers'
-log lines (``output_relay.py``), an agent process of its own through a pipe this process reads,
+log lines (``agent/output_relay.py``), an agent process of its own through a pipe this process reads,
 the agent of ``--node-rank R > 0`` (in this process) directly.
 """
 
