@@ -13,7 +13,7 @@
 #   adam-placement      an AdamW repaired (send/recv_state), restored from a host state (T2 broadcast) and
 #                       from host memory (T1 copy_into): its step counters on the CPU, moments on the GPU
 #                       (capturable: all on the GPU), and its next step equal to the source's
-#   node-check          the device part of a node's health check (undying/node_check.py): the GPU an NCCL
+#   node-check          the device part of a node's health check (undying/agent/node_check.py): the GPU an NCCL
 #                       rank would use is seen and computes a small matmul right
 #   bench-checkpoint    bench/checkpoint.py --device cuda at its smallest size (tiny)
 #   job-ref-1, job-ref-2, job-kill   1-rank CUDA jobs of examples/gpt (backend nccl, 30 steps): the two

@@ -272,9 +272,9 @@ def adam_placement(cpu: bool) -> int:
 
 
 def node_check(cpu: bool) -> int:
-    """The device part of a node's health check (undying/node_check.py) on this machine: the devices
+    """The device part of a node's health check (undying/agent/node_check.py) on this machine: the devices
     an NCCL rank would use are seen and compute a small matmul right (on CPU: gloo's CPU matmul)."""
-    from undying.node_check import device_check
+    from undying.agent.node_check import device_check
 
     found = device_check(nproc=1, backend="gloo" if cpu else "nccl")
     passed = not found["problems"] and found["timings"]["devices"] == 1

@@ -2,6 +2,8 @@
 
 Runs in the user's shell process. Every bad input ends in one line
 ``undying: error: ...`` and exit code 2, before anything is started or written.
+Each command's work is in its package: ``undying.launch`` (run, status, stop, demo),
+``undying.report``, ``undying.k8s``, ``undying.slurm``.
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from undying import __version__, cli_tls
-from undying.cli_common import OneLineParser, fail, read_token
-from undying.cli_job import add_job_arguments, command_status, command_stop
+from undying import __version__
+from undying.agent.console_streams import StreamOptionError, console_streams
 from undying.config import SpecError, load_job_spec, recover_strategy_overrides
-from undying.console_streams import StreamOptionError, console_streams
 from undying.inject import InjectionSpecError, check_targets, encode, parse_injections
+from undying.launch import cli_tls
+from undying.launch.cli_common import OneLineParser, fail, read_token
+from undying.launch.cli_job import add_job_arguments, command_status, command_stop
+from undying.launch.torchrun_flags import FlagError, add_torchrun_arguments, controller_flags, nproc_per_node
 from undying.slurm.env import SlurmStep
 from undying.slurm.errors import SlurmError
 from undying.tls import TlsFileError
-from undying.torchrun_flags import FlagError, add_torchrun_arguments, controller_flags, nproc_per_node
 
 
 def parse_nnodes(text: str) -> tuple[int | None, int]:
@@ -163,8 +166,8 @@ def worker_command(args: argparse.Namespace) -> list[str]:
 
 
 def command_run(args: argparse.Namespace) -> int:
-    from undying.launch_options import LaunchOptions, SigtermAction
-    from undying.launcher import launch
+    from undying.launch.launch_options import LaunchOptions, SigtermAction
+    from undying.launch.launcher import launch
 
     if args.standby < 0:
         fail(f"--standby: allowed 0 or more spare nodes (got {args.standby})")
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         return command_run(args)
     if args.command == "demo":
-        from undying.demo import run_demo
+        from undying.launch.demo import run_demo
 
         return run_demo(args)
     if args.command == "report":

@@ -122,7 +122,7 @@ class EventKind(StrEnum):
     # In a bad step where several ranks' own checked values (ft.check) were not finite, each of them says so:
     # attempt, values (name -> value).
     BAD_VALUE = "bad_value"
-    # A node failed its health check (node_check.py) and holds no ranks: host, problems, the check's timings,
+    # A node failed its health check (agent/node_check.py) and holds no ranks: host, problems, the check's timings,
     # when (hello, restart), and the spare id it now waits under.
     NODE_CHECK_FAILED = "node_check_failed"
     # A job restart let the survivors finish the T2 commit of this step before stopping them

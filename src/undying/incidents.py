@@ -1,7 +1,7 @@
 """What slowed or endangered the job without failing it, in words: stragglers, switches, bad steps,
 failed health checks, a job restart's wait for a checkpoint.
 
-Shared by the processes that describe events: the console (console.py, in ``undying run``), the
+Shared by the processes that describe events: the console (launch/console.py, in ``undying run``), the
 controller's recent lines for ``undying status`` (controller/job_view.py) and the report
 (report/summary.py, in ``undying report``), so all three say the same thing. ``describe_incident``
 is to these events what ``faults.describe_fault`` is to faults.

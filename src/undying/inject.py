@@ -16,7 +16,7 @@ Syntax (``--inject``, may be repeated): ``KIND:key=value:key=value``
 - ``nan:rank=R:step=S``  worker R's model outputs are NaN in step S (a corrupted activation: its
   loss and, through backward, every rank's averaged gradients are NaN); ``:persistent`` makes
   every attempt of step S in that process NaN (a bad batch or a broken device), not only the first
-- ``check:node=N``  every health check of the agent started as node N fails (node_check.py): a
+- ``check:node=N``  every health check of the agent started as node N fails (agent/node_check.py): a
   node that must not be given ranks; a spare that adopts node N's place is not affected
 
 ``:at=recovery`` or ``:at=dump`` moves the fault from the start of a training step to the

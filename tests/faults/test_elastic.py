@@ -279,7 +279,7 @@ ft.finish()
 def test_a_loop_taking_one_batch_per_step_trains_on_through_a_shrink(tmp_path: Path) -> None:
     """With the default elastic_batch (grow) a shrunk replica's next() returns its slots' samples in
     one batch: the unchanged loop commits every step with the fixed-size job's samples."""
-    from undying.data_sampler import epoch_order
+    from undying.data.sampler import epoch_order
 
     script = tmp_path / "one_batch_per_step.py"
     script.write_text(ONE_BATCH_PER_STEP)

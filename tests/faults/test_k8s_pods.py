@@ -42,7 +42,7 @@ from tests.conftest import (
 )
 from tests.k8s_engines import Action, PodEnd, engine_for
 from undying import events as ev
-from undying.agent import EXIT_NODE_LEFT
+from undying.agent.node_agent import EXIT_NODE_LEFT
 from undying.config import validate_job_spec
 from undying.events import Event, read_events
 from undying.k8s import Flavor, RenderOptions, render_job

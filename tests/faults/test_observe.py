@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import JobRun, assert_ends_bitwise, start_job, wait_no_processes
 from undying.client import ControllerClient, ControllerUnreachable
-from undying.controller_files import TOKEN_FILE, read_controller_record
+from undying.launch.controller_files import TOKEN_FILE, read_controller_record
 
 pytestmark = pytest.mark.faults
 

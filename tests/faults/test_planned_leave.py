@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import FINAL_STATE, STEPS, JobRun, assert_ends_bitwise
 from tests.faults.test_real_hosts import STEP_SLEEP, Hosts, HostsRun, assert_same_samples_and_close, timeline
 from undying import events as ev
-from undying.agent import EXIT_NODE_LEFT
+from undying.agent.node_agent import EXIT_NODE_LEFT
 
 pytestmark = pytest.mark.faults
 

@@ -174,7 +174,7 @@ def test_a_killed_warm_standby_takes_its_nodes_workers_and_the_job_recovers_bitw
         ready = wait_for_events(tmp_path, lambda e: e.kind == ev.HEARTBEAT and e.rank == 2 and (e.step or 0) >= 8)
         rank2 = next(e for e in ready if e.kind == ev.WORKER_READY and e.rank == 2)
         standby = parent_pid(rank2.details["pid"])
-        assert "undying.standby" in Path(f"/proc/{standby}/cmdline").read_bytes().decode().replace("\0", " ")
+        assert "undying.agent.standby" in Path(f"/proc/{standby}/cmdline").read_bytes().decode().replace("\0", " ")
         os.kill(standby, signal.SIGKILL)
         output, _ = process.communicate(timeout=240)
     finally:

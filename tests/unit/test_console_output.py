@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from undying import events as ev
-from undying import output_relay
-from undying.console_streams import BOTH, STDERR, STDOUT, ConsoleStreams
+from undying.agent import output_relay
+from undying.agent.console_streams import BOTH, STDERR, STDOUT, ConsoleStreams
+from undying.agent.output_relay import OutputRelay, PipeSink
+from undying.agent.worker_logs import WorkerLogs
 from undying.events import Event
-from undying.output_relay import OutputRelay, PipeSink
-from undying.progress import Progress
-from undying.terminal import CLEAR_LINE, Terminal
-from undying.worker_logs import WorkerLogs
+from undying.launch.progress import Progress
+from undying.launch.terminal import CLEAR_LINE, Terminal
 
 
 class ListSink:
@@ -164,7 +164,7 @@ class StuckStream(io.StringIO):
 
 
 def test_a_stuck_console_drops_worker_lines_with_a_count_and_blocks_nobody(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("undying.terminal.WORKER_BACKLOG", 10_000)
+    monkeypatch.setattr("undying.launch.terminal.WORKER_BACKLOG", 10_000)
     stuck = StuckStream()
     with Terminal(stuck, stuck, live=False, capture_prints=False) as terminal:
         started = time.monotonic()

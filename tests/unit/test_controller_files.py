@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from undying.controller_files import (
+from undying.launch.controller_files import (
     CONTROLLER_FILE,
     TOKEN_FILE,
     ControllerRecord,

@@ -18,7 +18,7 @@ from torch.utils.data import default_collate
 from tests.conftest import REPO
 from undying.config import JobSpec
 from undying.data import ResumableLoader
-from undying.data_iterable import StatefulIterableLoader
+from undying.data.iterable import StatefulIterableLoader
 from undying.runtime.core import Runtime
 from undying.worker_env import WorkerEnv
 

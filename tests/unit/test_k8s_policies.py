@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.k8s_engines import Action, PodEnd, engine_for
-from undying.agent import EXIT_NODE_LEFT
+from undying.agent.node_agent import EXIT_NODE_LEFT
 from undying.config import validate_job_spec
 from undying.k8s import Flavor, RenderOptions, render_job
 from undying.k8s.exit_codes import PodExit, pod_exit

@@ -1,4 +1,4 @@
-"""Health checks before a node is used: each item of a node's check (node_check.py), and a node that
+"""Health checks before a node is used: each item of a node's check (agent/node_check.py), and a node that
 fails it never given ranks (the job machine on a fake clock: controller/fitness.py)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 
 from tests.unit.job_harness import Job
 from undying import events as ev
+from undying.agent.node_check import check_node, device_check
 from undying.config.loading import validate_job_spec
 from undying.controller.state import JobState
 from undying.inject import parse_injection
-from undying.node_check import check_node, device_check
 from undying.protocol import AgentHello, AgentPoll, OrderKind, WorkerState
 
 SPEC = validate_job_spec({"nnodes": 2, "nproc_per_node": 2})
@@ -24,7 +24,7 @@ class Forked:
     """The device check in this process (a warm standby's fork, without the process)."""
 
     def fork(self, env: dict, command: list[str], log: Path, err_log: Path | None = None) -> Forked:
-        from undying.node_check import main
+        from undying.agent.node_check import main
 
         self.code = main(command[command.index("--result"):])
         return self

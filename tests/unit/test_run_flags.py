@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from undying import __version__
-from undying.cli import main
-from undying.console_streams import (
+from undying.agent.console_streams import (
     BOTH,
     NONE,
     STDERR,
@@ -21,7 +20,8 @@ from undying.console_streams import (
     StreamOptionError,
     console_streams,
 )
-from undying.torchrun_flags import FlagError, controller_flags, nproc_per_node
+from undying.cli import main
+from undying.launch.torchrun_flags import FlagError, controller_flags, nproc_per_node
 
 SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "gpt" / "train.py")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from undying.cli import main
-from undying.launch_options import LaunchOptions, SigtermAction
+from undying.launch.launch_options import LaunchOptions, SigtermAction
 from undying.slurm.env import SlurmEnvError, SlurmStep, controller_port, node_address
 from undying.slurm.launch import Placement, SlurmPlacementError, place
 from undying.slurm.shared_token import SharedTokenError, shared_token
@@ -119,7 +119,7 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> list[LaunchOptions]:
         captured.append(options)
         return 0
 
-    monkeypatch.setattr("undying.launcher.launch", launch)
+    monkeypatch.setattr("undying.launch.launcher.launch", launch)
     monkeypatch.setattr("undying.slurm.launch.node_address", lambda name: {"gpu-01": "10.0.0.1"}.get(name, name))
     monkeypatch.delenv("UNDYING_TOKEN", raising=False)
     monkeypatch.delenv("UNDYING_SLURM", raising=False)

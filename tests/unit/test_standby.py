@@ -1,4 +1,4 @@
-"""The node's warm standby (undying/standby.py) and the agent's handle on it (warm_standby.py): a
+"""The node's warm standby (undying/agent/standby.py) and the agent's handle on it (warm_standby.py): a
 forked worker runs its script as ``python script.py`` would, its exit (code or signal) reaches the
 agent, no worker outlives the standby, and where the agent stops the job on SIGTERM the standby and
 its workers ignore it."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from undying.procs import ignores_sigterm, stop_processes
-from undying.warm_standby import WarmStandby
+from undying.agent.procs import ignores_sigterm, stop_processes
+from undying.agent.warm_standby import WarmStandby
 
 REPORT = """
 import atexit, json, os, signal, sys
@@ -114,7 +114,7 @@ def test_closing_the_standby_ends_its_workers(tmp_path: Path) -> None:
 def test_a_standby_with_a_gpu_device_open_is_not_forked_from(tmp_path: Path) -> None:
     """The fork guard reads the process's open files: a GPU driver's device among them makes a fork
     unsafe (a driver initialised before a fork cannot be used in the child); none, and it is safe."""
-    from undying.standby import fork_unsafe_reason
+    from undying.agent.standby import fork_unsafe_reason
 
     assert fork_unsafe_reason() is None
     fds = tmp_path / "fd"

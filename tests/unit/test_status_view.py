@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.console import Console
 
-from undying.status_view import RANK_ROWS_UP_TO, render_status
+from undying.launch.status_view import RANK_ROWS_UP_TO, render_status
 
 NOW = 1_700_000_100.0
 

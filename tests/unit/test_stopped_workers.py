@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from undying.agent import Agent
+from undying.agent.node_agent import Agent
+from undying.agent.stopped_workers import StoppedWorkers, process_stopped
 from undying.config import JobSpec
 from undying.protocol import WorkerState
-from undying.stopped_workers import StoppedWorkers, process_stopped
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 WAIT_S = 20.0

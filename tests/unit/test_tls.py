@@ -251,7 +251,7 @@ def test_a_node_that_only_joins_takes_the_ca_alone(files: TlsFiles) -> None:
     """Node R > 0 hosts no controller: --tls-ca alone is its whole TLS setup."""
     import argparse
 
-    from undying import cli_tls
+    from undying.launch import cli_tls
 
     args = argparse.Namespace(tls_cert=None, tls_key=None, tls_ca=str(files.ca))
     assert cli_tls.server_tls(args, hosts_controller=False) is None

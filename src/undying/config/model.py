@@ -161,7 +161,7 @@ class JobSpec(BaseModel):
     loss_spike_window: int = Field(20, ge=2, le=100000)
     bad_step_repeat: Literal["skip", "stop"] = "stop"
     bad_step_transient: Literal["report", "switch"] = "report"
-    # Health checks (node_check.py): each agent checks its node before it is given ranks (its first
+    # Health checks (agent/node_check.py): each agent checks its node before it is given ranks (its first
     # hello, a spare's adoption, after a job restart stopped its workers); a node that fails holds no ranks.
     node_check: bool = True
     watchdog: Literal["on", "off", "detect-only"] = "on"

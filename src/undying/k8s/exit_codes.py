@@ -3,14 +3,14 @@ engine's rendered failure policy follows.
 
 Runs in the ``undying k8s render`` process. The codes are `undying run`'s own: the job's outcome
 on every pod at the job's end (controller/state.py; the controller's exit order carries it to every
-agent), and ``EXIT_NODE_LEFT`` on a node whose agent ended while the job goes on (agent.py).
+agent), and ``EXIT_NODE_LEFT`` on a node whose agent ended while the job goes on (agent/node_agent.py).
 """
 
 from __future__ import annotations
 
 import enum
 
-from undying.agent import EXIT_NODE_LEFT
+from undying.agent.node_agent import EXIT_NODE_LEFT
 from undying.controller.state import EXIT_CANCELLED, EXIT_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_STOPPED
 
 

@@ -19,7 +19,7 @@ HOST_TOPOLOGY = "kubernetes.io/hostname"
 # The taints a node gets when it stops reporting; a pod not tolerating them for longer is evicted.
 NOT_READY_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
 # Beyond the graceful stop and the workers' grace: the agents' own exits, a leaving node's notice to
-# the controller (agent.LEAVE_TIMEOUT), the controller's last events.
+# the controller (agent/node_agent.py's LEAVE_TIMEOUT), the controller's last events.
 TERMINATION_MARGIN_S = 30
 
 

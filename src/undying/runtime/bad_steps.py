@@ -24,7 +24,7 @@ import time
 from undying import events as ev
 from undying.config import JobSpec
 from undying.data import ResumableLoader
-from undying.data_iterable import StatefulIterableLoader
+from undying.data.iterable import StatefulIterableLoader
 from undying.runtime.membership import Membership
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng import restore_rng

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from undying.data import ResumableLoader, is_map_style
-from undying.data_iterable import StatefulIterableLoader, iterable_loader
+from undying.data.iterable import StatefulIterableLoader, iterable_loader
 from undying.runtime.carried_batches import DrawLedger
 from undying.runtime.training_state import TrainingState
 

@@ -24,21 +24,21 @@ import threading
 import time
 
 from undying import events as ev
-from undying.agent import Agent
+from undying.agent.node_agent import Agent
+from undying.agent.output_relay import OutputRelay
 from undying.client import format_address
-from undying.console import emit_job_start, print_event
 from undying.controller import Controller, ControllerServer, JobState, JobStore
 from undying.controller.ha import Candidate, saved_state
-from undying.controller_files import ControllerRecord, remove_controller_files, write_controller_files
 from undying.etcd import EtcdUnavailable
 from undying.events import EventLog
-from undying.launch_options import LaunchOptions
+from undying.launch.console import emit_job_start, print_event
+from undying.launch.controller_files import ControllerRecord, remove_controller_files, write_controller_files
+from undying.launch.launch_options import LaunchOptions
+from undying.launch.progress import Progress
+from undying.launch.terminal import Terminal
 from undying.locate import ENV_ETCD, ENV_HA_JOB, locate_controller
-from undying.output_relay import OutputRelay
-from undying.progress import Progress
 from undying.root_probe import t2_root, writes_t2
 from undying.shm import remove_job_dir
-from undying.terminal import Terminal
 from undying.tls import ENV_TLS_CA, ClientTls
 
 BACKUP_REFRESH_S = 1.0

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from undying import cli_tls
-from undying.cli_common import fail, read_token
+from undying.launch import cli_tls
+from undying.launch.cli_common import fail, read_token
 from undying.tls import TlsFileError
 
 
@@ -42,7 +42,7 @@ def command_status(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(client.get("/status"), indent=2))
             return 0
-        from undying.status_view import render_status, watch
+        from undying.launch.status_view import render_status, watch
 
         if args.watch:
             watch(lambda: client.get("/status"), args.interval)
@@ -134,7 +134,7 @@ def job_end(run_dir: Path) -> Any:
 
 def run_dir_controller(run_dir: Path, token_file: str | None) -> tuple[str, str, Any]:
     """A job's controller address, token and (a failover job) leader locator, from its run directory."""
-    from undying.controller_files import TOKEN_FILE, read_controller_record
+    from undying.launch.controller_files import TOKEN_FILE, read_controller_record
     from undying.locate import locate_controller
     from undying.tls import ENV_ETCD_CA, ENV_ETCD_CERT, ENV_ETCD_KEY, ENV_TLS_CA
 

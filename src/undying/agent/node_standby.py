@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from undying.procs import available_memory
-from undying.standby import can_serve
-from undying.warm_standby import WarmStandby
+from undying.agent.procs import available_memory
+from undying.agent.standby import can_serve
+from undying.agent.warm_standby import WarmStandby
 
 # Host memory the warm standby needs free before it is started (it is about 0.3 GB resident with
 # CPU torch; more with a GPU build): a node short of memory starts plain ``python`` workers.

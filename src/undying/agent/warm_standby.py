@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from undying.procs import child_setup, stop_processes
+from undying.agent.procs import child_setup, stop_processes
 
 READY_TIMEOUT_S = 300.0  # the standby's imports, on a machine as busy as a job's start makes it
 FORK_TIMEOUT_S = 30.0  # from a request to the forked worker's pid
@@ -59,7 +59,7 @@ class WarmStandby:
         # With ``ignore_stop_signals`` the standby, and so each worker it forks, ignores SIGTERM and
         # SIGINT (procs.ignore_stop_signals): the agent stops the job on them (--sigterm stop).
         with open(log, "ab") as stderr:
-            self.process = subprocess.Popen([sys.executable, "-u", "-m", "undying.standby"], stdin=subprocess.PIPE,
+            self.process = subprocess.Popen([sys.executable, "-u", "-m", "undying.agent.standby"], stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, stderr=stderr,
                                             preexec_fn=child_setup(ignore_stop_signals))
         self.ready = threading.Event()

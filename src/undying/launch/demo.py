@@ -19,7 +19,7 @@ from pathlib import Path
 from undying.events import read_events
 from undying.report import render_summary, summarize, write_report
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "train.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt" / "train.py"
 DEMO_FLAGS = ["--nnodes", "2", "--nproc-per-node", "2", "--monitor-interval", "0.5",
               "--checkpoint-interval", "20", "--set", "heartbeat_interval=0.5", "--set", "heartbeat_timeout=5",
               "--set", "process_recover=true", "--set", "pod_rescheduling=on",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from undying.console_streams import BOTH, NONE, STDERR, STDOUT, ConsoleStreams
+from undying.agent.console_streams import BOTH, NONE, STDERR, STDOUT, ConsoleStreams
 
 RELAY_EVERY = 0.1  # seconds between two reads of the followed files
 READ_CHUNK = 256 << 10  # bytes read from one file in one pass

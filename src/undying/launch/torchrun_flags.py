@@ -11,7 +11,7 @@ Runs in the ``undying run`` process (the CLI), before anything starts:
   this process may run on, ``gpu`` the CUDA devices (an error without CUDA), ``auto`` the
   accelerator's devices if there is one, else the CPUs;
 - ``--log-dir DIR``, ``--redirects``, ``--tee``, ``--local-ranks-filter``: where the workers' logs
-  go and what the console shows of them (``console_streams.py``).
+  go and what the console shows of them (``agent/console_streams.py``).
 """
 
 from __future__ import annotations

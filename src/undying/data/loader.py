@@ -2,7 +2,7 @@
 
 Runs in worker processes: each rank holds one ``ResumableLoader`` (made by ``ft.dataloader``); its
 ``state_dict`` is part of every snapshot, and ``reshard`` and ``set_replicas`` are how a world-size
-change keeps the global sample order. Which indices come next is planned in data_sampler.py.
+change keeps the global sample order. Which indices come next is planned in sampler.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from undying.data_sampler import (
+from undying.data.sampler import (
     ACCUMULATE,
     ELASTIC_BATCH_MODES,
     EPOCH_SEED_STRIDE,

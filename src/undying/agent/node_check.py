@@ -1,7 +1,7 @@
 """A node's health check before it is given ranks: its devices, node memory, checkpoint storage, the store.
 
 Runs in the agent (``check_node``); the device part runs in a child process (``python -m
-undying.node_check``, forked from the node's warm standby when it has one: torch is imported there,
+undying.agent.node_check``, forked from the node's warm standby when it has one: torch is imported there,
 never in the agent). The agent checks before each hello (its first, a spare's adoption of a lost
 node's place, a hello it is told to say again) and once a job restart has stopped its workers; the
 result travels in that hello or the next poll (protocol.AgentHello.check, AgentPoll.check), and the
@@ -149,7 +149,7 @@ def _devices(spec: JobSpec, log: Path, standby: Forker | None, timings: dict[str
     """The device part, in a child process (torch); its result comes back in a file."""
     result = log.with_name(f"{log.stem}.result.json")
     result.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "undying.node_check", "--result", str(result),
+    command = [sys.executable, "-m", "undying.agent.node_check", "--result", str(result),
                "--nproc", str(spec.nproc_per_node), "--backend", spec.backend]
     log.parent.mkdir(parents=True, exist_ok=True)
     process = standby.fork(dict(os.environ), command, log) if standby is not None else None

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import BinaryIO
 
-from undying.console_streams import BOTH
-from undying.output_relay import OutputRelay, worker_log_paths
+from undying.agent.console_streams import BOTH
+from undying.agent.output_relay import OutputRelay, worker_log_paths
 
 
 class WorkerLogs:

@@ -1,6 +1,6 @@
 """The node's warm standby: one interpreter with torch and undying imported, which forks the node's workers.
 
-Runs as a child of the node agent (``python -u -m undying.standby``); its handle in the agent
+Runs as a child of the node agent (``python -u -m undying.agent.standby``); its handle in the agent
 is ``warm_standby.WarmStandby``. A worker started as ``python train.py`` spends seconds
 importing torch (and torch._dynamo, which the first optimizer step imports lazily) before it
 can join, and on a node of N ranks N interpreters pay that at once. The standby pays it once
@@ -35,7 +35,7 @@ import signal
 import sys
 from typing import Any
 
-from undying.procs import die_with_parent
+from undying.agent.procs import die_with_parent
 
 
 def _preload() -> None:

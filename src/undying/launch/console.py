@@ -17,7 +17,7 @@ from undying.controller.persist_health import failed_checkpoint_line
 from undying.controller.strategies import describe_chain, effective_chain, unbuilt_strategies
 from undying.events import Event
 from undying.incidents import INCIDENT_KINDS, describe_incident
-from undying.launch_options import LaunchOptions
+from undying.launch.launch_options import LaunchOptions
 
 if TYPE_CHECKING:
     from undying.controller import Controller

@@ -11,7 +11,7 @@ an agent that joins ``--controller HOST:PORT`` (``--standby`` there: a spare nod
 
 The console (``terminal.py``) shows the job's events, a live progress line where the controller
 runs (``progress.py``), and the output of this machine's workers: each agent relays its workers'
-log lines (``output_relay.py``), an agent process of its own through a pipe this process reads,
+log lines (``agent/output_relay.py``), an agent process of its own through a pipe this process reads,
 the agent of ``--node-rank R > 0`` (in this process) directly.
 """
 
@@ -26,19 +26,19 @@ import threading
 import time
 
 from undying import events as ev
+from undying.agent.console_streams import STDERR, STDOUT
+from undying.agent.output_relay import OutputRelay
+from undying.agent.procs import die_with_parent, kill_group
 from undying.client import format_address
-from undying.console import emit_job_start, print_event
-from undying.console_streams import STDERR, STDOUT
 from undying.controller import Controller, ControllerServer, JobState, JobStore
-from undying.controller_files import ControllerRecord, remove_controller_files, write_controller_files
 from undying.events import EventLog
-from undying.launch_options import LaunchOptions
-from undying.output_relay import OutputRelay
-from undying.procs import die_with_parent, kill_group
-from undying.progress import Progress
+from undying.launch.console import emit_job_start, print_event
+from undying.launch.controller_files import ControllerRecord, remove_controller_files, write_controller_files
+from undying.launch.launch_options import LaunchOptions
+from undying.launch.progress import Progress
+from undying.launch.terminal import Terminal, is_live_terminal
 from undying.root_probe import t2_root, writes_t2
 from undying.shm import remove_job_dir, remove_node_dir
-from undying.terminal import Terminal, is_live_terminal
 from undying.tls import ENV_TLS_CA, tls_environ
 from undying.worker_env import ENV_INJECT, ENV_SPEC, ENV_TOKEN
 
@@ -81,7 +81,7 @@ class LocalAgents:
         env[ENV_INJECT] = self.options.injections_text
         env["UNDYING_AGENT_DIE_WITH_PARENT"] = "1"
         console_read, console_write = os.pipe()  # the agent's workers' lines, for this console
-        command = [sys.executable, "-m", "undying.agent", "--node", str(node),
+        command = [sys.executable, "-m", "undying.agent.node_agent", "--node", str(node),
                    "--controller", self.controller_address, "--run-dir", str(self.options.run_dir),
                    "--log-dir", str(self.options.worker_log_dir), "--console-fd", str(console_write),
                    "--console-streams", self.options.streams().to_text(), "--sigterm", self.options.sigterm,
@@ -183,7 +183,7 @@ def launch(options: LaunchOptions) -> int:
     os.environ.update(tls_environ(options.tls_ca, options.etcd_tls))
     with console_for(options) as terminal:
         if options.etcd:
-            from undying.ha_node import run_ha_node
+            from undying.launch.ha_node import run_ha_node
 
             return run_ha_node(options, terminal)
         if options.node_rank is not None and options.node_rank > 0:
@@ -271,7 +271,7 @@ def _run_controller_node(options: LaunchOptions, terminal: Terminal) -> int:
 
 
 def _run_remote_agent(options: LaunchOptions, terminal: Terminal) -> int:
-    from undying.agent import Agent
+    from undying.agent.node_agent import Agent
 
     if not options.controller_address or not options.token:
         print("undying: error: --node-rank > 0 needs --controller HOST:PORT and --token-file", file=sys.stderr)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from undying.agent.console_streams import ConsoleStreams
 from undying.config import JobSpec
-from undying.console_streams import ConsoleStreams
 from undying.tls import ClientTls, ServerTls
 
 

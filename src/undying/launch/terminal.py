@@ -4,7 +4,7 @@ progress line when stderr is a terminal, and never in the job's way.
 Runs in the ``undying run`` process. One thread writes to the real stdout and stderr; everything
 else hands it lines: the job's event lines and messages (anything printed to ``sys.stdout`` or
 ``sys.stderr`` while the job runs, taken line by line), and the workers' lines relayed by the
-agents (``output_relay.py``). On a terminal (stderr a tty, ``TERM`` not ``dumb``) the writer keeps
+agents (``agent/output_relay.py``). On a terminal (stderr a tty, ``TERM`` not ``dumb``) the writer keeps
 one progress line at the bottom (``progress.py``), cleared before other lines are written and
 drawn again after them, at most every ``REDRAW_EVERY`` seconds otherwise; elsewhere (a file, a
 pipe, a pod's log) lines are written plain, with no redraw and no escape sequences.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TextIO
 
-from undying.console_streams import STDERR, STDOUT
+from undying.agent.console_streams import STDERR, STDOUT
 
 REDRAW_EVERY = 0.5  # seconds between two redraws of an unchanged progress line's clock
 WORKER_BACKLOG = 1 << 20  # bytes of worker lines waiting for the terminal; more are dropped

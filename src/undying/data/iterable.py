@@ -13,7 +13,7 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
-from undying.data import DrawWatcher
+from undying.data.loader import DrawWatcher
 
 __all__ = ["StatefulIterableLoader", "is_stateful_iterable", "iterable_loader"]
 
