@@ -1,4 +1,4 @@
-"""Whether a node may hold ranks: its health check (node_check.py) and the agents switched out.
+"""Whether a node may hold ranks: its health check (agent/node_check.py) and the agents switched out.
 
 Runs in the controller, inside the job machine. An agent whose health check failed, or that was
 switched out of the job (a straggler, a transient bad step: strategies/switch.py), joins as a

@@ -110,7 +110,7 @@ class JobMachine(JobCore):
         nodes[hello.node] = NodeRecord(hello.node, hello.pid, hello.hostname, now, standby=hello.standby)
         details: dict[str, Any] = {"pid": hello.pid, "host": hello.hostname, "standby": hello.standby}
         if hello.check:
-            details["check"] = hello.check.get("timings", {})  # its health check's times (node_check.py)
+            details["check"] = hello.check.get("timings", {})  # its health check's times (agent/node_check.py)
         self.emit(ev.AGENT_REGISTERED, node=hello.node, details=details)
         return HelloReply(self.job_id, self.store_port)
 

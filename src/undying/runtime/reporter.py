@@ -3,7 +3,7 @@
 Runs in the worker. The heartbeat thread sends (step, phase) every ``heartbeat_interval``
 while the training thread computes or waits in a collective (neither holds the GIL for
 long); it stops when the process is stopped or dead, which is how the controller tells a
-hang from slow progress (its agent reports a stopped process at once: stopped_workers.py).
+hang from slow progress (its agent reports a stopped process at once: agent/stopped_workers.py).
 Events go out at once from the calling thread so that, e.g., an injection is logged
 before the fault.
 """

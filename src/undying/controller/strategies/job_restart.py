@@ -8,7 +8,7 @@ has shrunk restarts at once with the members it has instead (``shrunk_restart_me
 Two things come between the stop and the start: a survivor committing a T2 checkpoint whose
 records are all in finishes it first (``CommitDrain``, at most ``commit_drain`` seconds: the
 survivors leave their step at once, only the stop orders wait), and every node runs its health
-check again once its workers are gone (node_check.py; a node that fails is not given ranks:
+check again once its workers are gone (agent/node_check.py; a node that fails is not given ranks:
 fitness.py). Exit ends the job as failed.
 """
 
