@@ -80,3 +80,18 @@ def test_a_stop_asked_during_a_job_restart_starts_once_the_job_trains_again(make
     job.advance(0.1)
     assert job.controller.state is JobState.RECOVERING
     assert job.controller.machine.recovery.strategy == "stop"
+
+
+def test_a_stop_at_a_checkpoint_step_already_persisted_ends_without_a_second_write(make_job):
+    """The newest committed step was a checkpoint step and its periodic checkpoint committed before
+    the plan: the stop is done at once (no save event would come for it again)."""
+    job = make_job(nnodes=1, nproc_per_node=2)
+    job.start_running()
+    job.controller.worker_event(checkpoint_event(ev.CHECKPOINT_SAVE, 0, 10, path="/ckpt/step_000000010"))
+    job.controller._apply(lambda now: job.controller.machine.request_stop(now, "received SIGTERM"))
+    plans = check_in_together(job.controller, [RecoverRequest(rank, 0, 1, 10, 2000 + rank, "ended") for rank in (0, 1)])
+    job.advance(0.1)
+    assert {plan.action for plan in plans.values()} <= {PlanAction.PERSIST, PlanAction.EXIT}, plans
+    assert not job.events(ev.PERSIST_FAILED)
+    assert job.controller.state is JobState.STOPPED and job.exit_code == 75
+    assert "step 10 persisted by its periodic checkpoint" in job.controller.message

@@ -8,7 +8,8 @@ boundary (each rank finishes its step in flight, as for an elastic grow; the fir
 a straggler's step, so no step is half committed), every rank checks in with its committed step,
 and the plan's action is ``persist``: every rank writes its part of that step's T2 checkpoint
 through the ordinary commit protocol (data parallel and sharded alike). Once the checkpoint is
-committed the job ends as ``stopped`` (exit 75, EX_TEMPFAIL: run it again to resume there). A
+committed the job ends as ``stopped`` (exit 75, EX_TEMPFAIL: run it again to resume there); so
+does a stop whose newest step is a checkpoint step already committed by its periodic checkpoint. A
 stop that cannot finish within ``stop_timeout`` (a fault meanwhile, a write that fails) cancels
 the job: the newest durable checkpoint is then the last periodic one.
 """
@@ -59,17 +60,30 @@ class GracefulStop(ProcessRecovery):
                          excluded: frozenset[StrategyName]) -> None:
         return None
 
+    def progress(self, job: JobCore, now: float) -> None:
+        super().progress(job, now)
+        recovery = job.recovery
+        if job.state.terminal or recovery is None or recovery.plan is None:
+            return
+        durable = job.persist_health.newest_step
+        if durable is not None and durable >= recovery.plan.target_step:
+            # The step was a checkpoint step: its periodic checkpoint committed before the plan came.
+            self._stopped(job, recovery, durable, "by its periodic checkpoint", now)
+
     def on_worker_event(self, job: JobCore, event: Event, now: float) -> None:
         recovery = job.recovery
         if recovery is None or recovery.plan is None or event.step != recovery.plan.target_step:
             return
         if event.kind == ev.CHECKPOINT_SAVE:
-            job.finish(JobState.STOPPED, EXIT_STOPPED,
-                       f"stopped ({recovery.fault.detail}) with step {event.step} persisted to {event.details.get('path')}"
-                       "; run the job again with the same checkpoint directory to resume there", now)
+            self._stopped(job, recovery, event.step, f"to {event.details.get('path')}", now)
         elif event.kind == ev.PERSIST_FAILED:
             self.fail(job, f"the checkpoint of step {event.step} failed on rank {event.rank}: "
                            f"{event.details.get('reason')}", None, now)
+
+    def _stopped(self, job: JobCore, recovery: ActiveRecovery, step: int, where: str, now: float) -> None:
+        job.finish(JobState.STOPPED, EXIT_STOPPED,
+                   f"stopped ({recovery.fault.detail}) with step {step} persisted {where}"
+                   "; run the job again with the same checkpoint directory to resume there", now)
 
     def fail(self, job: JobCore, why: str, fault: Fault | None, now: float) -> None:
         """Nothing to fall back to: the job is cancelled, and its newest durable checkpoint is the last
