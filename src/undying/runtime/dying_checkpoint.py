@@ -21,7 +21,7 @@ from undying import events as ev
 from undying.checkpoint import FileRecord, commit, save_object, staging_dir
 from undying.checkpoint.dcp_format import UNDYING_KEY, to_dcp, write_shared_shard
 from undying.checkpoint.dcp_sharded import Exchange, save_sharded
-from undying.checkpoint.manifest import NUMERICS_KEY
+from undying.checkpoint.manifest import NUMERICS_KEY, rank_state_file
 from undying.config import JobSpec
 from undying.protocol import Plan
 from undying.runtime.membership import Membership
@@ -29,7 +29,6 @@ from undying.runtime.mesh import SwappableMesh
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng_mirror import RngMirror
 from undying.runtime.sharded import ShardLost
-from undying.runtime.snapshots import rank_state_file
 from undying.runtime.training_state import TrainingState
 
 if TYPE_CHECKING:
