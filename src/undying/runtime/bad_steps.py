@@ -25,8 +25,8 @@ from undying import events as ev
 from undying.config import JobSpec
 from undying.data import ResumableLoader
 from undying.data_iterable import StatefulIterableLoader
+from undying.runtime.event_sink import EventSink
 from undying.runtime.membership import Membership
-from undying.runtime.reporter import Reporter
 from undying.runtime.rng import restore_rng
 from undying.runtime.step_check import GRAD_NORM, BadStep
 from undying.runtime.training_state import TrainingState
@@ -39,7 +39,7 @@ PARK_S = 1.0
 class BadSteps:
     """The attempts of the step in flight that the vote found bad, and what each leads to."""
 
-    def __init__(self, spec: JobSpec, state: TrainingState, membership: Membership, reporter: Reporter) -> None:
+    def __init__(self, spec: JobSpec, state: TrainingState, membership: Membership, reporter: EventSink) -> None:
         self.spec = spec
         self.state = state
         self.membership = membership

@@ -34,6 +34,7 @@ from undying.runtime.carried_batches import DrawLedger
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.ddp_options import parse_ddp_options
 from undying.runtime.devices import choose_backend, choose_device, set_numerics_mode
+from undying.runtime.generation import Generation
 from undying.runtime.injection_points import ALLREDUCE, OPTIMIZER, InjectionPoints
 from undying.runtime.loaders import build_loader
 from undying.runtime.membership import Membership
@@ -77,9 +78,12 @@ class Runtime:
         set_numerics_mode(self.spec.deterministic)  # before any kernel or NCCL communicator
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.reporter = Reporter(env.controller, env.token, self.rank, self.node, env.generation,
+        # Which generation this worker is in, and whether the controller aborted or ends it: the
+        # reporter feeds it from heartbeat replies, the membership moves it, the rest read it.
+        generation = Generation(env.generation)
+        self.reporter = Reporter(env.controller, env.token, self.rank, self.node, generation,
                                  self.spec.heartbeat_interval)
-        self.membership = Membership(env, self.backend, self.device, self.reporter)
+        self.membership = Membership(env, self.backend, self.device, generation)
         if not self.joining:
             self.membership.build_group()
         self.state = TrainingState(holds_state=not self.joining, rank=self.rank)

@@ -24,9 +24,9 @@ from undying.checkpoint.dcp_sharded import Exchange, save_sharded
 from undying.checkpoint.manifest import NUMERICS_KEY, rank_state_file
 from undying.config import JobSpec
 from undying.protocol import Plan
+from undying.runtime.event_sink import EventSink
 from undying.runtime.membership import Membership
 from undying.runtime.mesh import SwappableMesh
-from undying.runtime.reporter import Reporter
 from undying.runtime.rng_mirror import RngMirror
 from undying.runtime.sharded import ShardLost
 from undying.runtime.training_state import TrainingState
@@ -65,7 +65,7 @@ def dump_files(plan: Plan, rank: int, members: list[int], mesh: SwappableMesh | 
 class DyingCheckpoint:
     """Writes this rank's part of a dump (see the module docstring)."""
 
-    def __init__(self, spec: JobSpec, membership: Membership, state: TrainingState, reporter: Reporter,
+    def __init__(self, spec: JobSpec, membership: Membership, state: TrainingState, reporter: EventSink,
                  rng_mirror: RngMirror, checkpoints: CheckpointEngine) -> None:
         self.spec = spec
         self.membership = membership
