@@ -1,6 +1,6 @@
 """What a bad step leads to in the worker: a replay from the committed state, then a skip or a stop.
 
-Runs in the worker, called by the step loop (runtime/core.py) once a step's commit vote found it bad
+Runs in the worker, called by the step loop (runtime/step_loop.py) once a step's commit vote found it bad
 (runtime/step_check.py): no rank applied it. The first time, every rank winds the step back as a
 recovery's survivor does (gradients dropped; data position, RNG, registered objects and optimizer
 hyperparameters as of the commit) and the loop yields the same step again. The replay draws the

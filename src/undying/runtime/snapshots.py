@@ -2,8 +2,8 @@
 background, and the restore from node memory or storage (runtime/start_restore.py).
 
 Runs in the worker. ``Runtime`` (runtime/core.py) owns one ``CheckpointEngine`` and gives it
-the ``TrainingState`` to save and load: it calls ``at_commit`` at every commit boundary,
-``restore`` when the job (re)starts and ``close`` in ``finish()``. The snapshot files live in
+the ``TrainingState`` to save and load; the step loop (runtime/step_loop.py) calls ``at_commit``
+at every commit boundary and ``restore`` when the job (re)starts, ``finish()`` calls ``close``. The snapshot files live in
 the node's shared-memory directory, which the node's agent owns (undying/shm.py); a standalone
 run (no agent) snapshots into private memory instead.
 """
