@@ -22,7 +22,8 @@ from undying.config import JobSpec
 from undying.runtime import default_group
 from undying.runtime.core import Runtime
 from undying.runtime.default_group import ALREADY_INITIALIZED, DefaultGroup
-from undying.runtime.pg import GenerationGroup, await_last_references
+from undying.runtime.pg import GenerationGroup
+from undying.runtime.reapers import await_last_references
 from undying.worker_env import WorkerEnv
 
 CPU = torch.device("cpu")

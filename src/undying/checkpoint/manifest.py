@@ -156,6 +156,12 @@ def generation_dirname(step: int, generation: int) -> str:
     return f"{checkpoint_dirname(step)}.g{generation}"
 
 
+def rank_state_file(rank: int) -> str:
+    """Name of the file that holds one rank's own state (RNG, registered objects, its shards) in a
+    worker's checkpoint."""
+    return f"rank_{rank:05d}.pt"
+
+
 def staging_dirname(step: int, generation: int) -> str:
     return f"{generation_dirname(step, generation)}{PARTIAL_SUFFIX}"
 

@@ -1,6 +1,6 @@
 """What a bad step leads to in the worker: a replay from the committed state, then a skip or a stop.
 
-Runs in the worker, called by the step loop (runtime/core.py) once a step's commit vote found it bad
+Runs in the worker, called by the step loop (runtime/step_loop.py) once a step's commit vote found it bad
 (runtime/step_check.py): no rank applied it. The first time, every rank winds the step back as a
 recovery's survivor does (gradients dropped; data position, RNG, registered objects and optimizer
 hyperparameters as of the commit) and the loop yields the same step again. The replay draws the
@@ -25,8 +25,8 @@ from undying import events as ev
 from undying.config import JobSpec
 from undying.data import ResumableLoader
 from undying.data.iterable import StatefulIterableLoader
+from undying.runtime.event_sink import EventSink
 from undying.runtime.membership import Membership
-from undying.runtime.reporter import Reporter
 from undying.runtime.rng import restore_rng
 from undying.runtime.step_check import GRAD_NORM, BadStep
 from undying.runtime.training_state import TrainingState
@@ -39,7 +39,7 @@ PARK_S = 1.0
 class BadSteps:
     """The attempts of the step in flight that the vote found bad, and what each leads to."""
 
-    def __init__(self, spec: JobSpec, state: TrainingState, membership: Membership, reporter: Reporter) -> None:
+    def __init__(self, spec: JobSpec, state: TrainingState, membership: Membership, reporter: EventSink) -> None:
         self.spec = spec
         self.state = state
         self.membership = membership

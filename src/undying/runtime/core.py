@@ -1,25 +1,23 @@
 """The worker runtime behind ``undying.init()``: the user's side of the job, one step at a time.
 
-Runs in every worker process. It reads the environment its agent set (worker_env.py), joins
-the job's store and this generation's process group, and serves the user's loop: ``steps()``
-restores the newest verified checkpoint (runtime/snapshots.py) or, for a replacement rank,
-recovers first; it runs each step as a transaction that every rank commits or none does
-(runtime/step_transaction.py), writes periodic checkpoints, and hands a failed step to the
-recovery client (runtime/recovery_client.py) before re-running it.
+Runs in every worker process. It reads the environment its agent set (worker_env.py), builds
+the worker's parts (the heartbeat client, the membership and its process group, the training
+state, the checkpoint engine, the step transaction, the recovery client) and serves the user's
+API: ``wrap_model``, ``wrap_optimizer``, ``dataloader``, ``register``, ``log``, ``check`` and
+``finish``. ``steps()`` is the step loop (runtime/step_loop.py): it restores the newest verified
+checkpoint (runtime/snapshots.py) or, for a replacement rank, recovers first; it runs each step
+as a transaction that every rank commits or none does (runtime/step_transaction.py), writes
+periodic checkpoints, and hands a failed step to the recovery client (runtime/recovery_client.py)
+before re-running it.
 """
 
 from __future__ import annotations
 
-import atexit
 import gc
-import json
 import os
-import sys
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -36,33 +34,33 @@ from undying.runtime.carried_batches import DrawLedger
 from undying.runtime.ddp import FixedLayoutDDP
 from undying.runtime.ddp_options import parse_ddp_options
 from undying.runtime.devices import choose_backend, choose_device, set_numerics_mode
+from undying.runtime.generation import Generation
 from undying.runtime.injection_points import ALLREDUCE, OPTIMIZER, InjectionPoints
 from undying.runtime.loaders import build_loader
-from undying.runtime.loop_start import agree_on_start, print_rerun_line, start_from_script_checkpoint
 from undying.runtime.membership import Membership
 from undying.runtime.optim import CommitOptimizer, refuse_zero_redundancy
-from undying.runtime.pg import reapers_alive
+from undying.runtime.process_exit import install_exit_hooks
 from undying.runtime.recovery_client import RecoveryClient
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng_mirror import MIRROR_TIMEOUT_S, RngMirror
+from undying.runtime.run_record import write_result
 from undying.runtime.scalars import checked_scalars
 from undying.runtime.sharded import ShardedModel, is_sharded, make_mesh, wrap_sharded
 from undying.runtime.snapshots import CheckpointEngine, checkpoint_root
+from undying.runtime.step_loop import StepLoop
 from undying.runtime.step_transaction import StepTransaction
 from undying.runtime.step_value import Step
 from undying.runtime.training_state import Stateful, TrainingState
 from undying.strategy_names import StrategyName
 from undying.worker_env import WorkerEnv, worker_env_of_this_process
 
-RESULT_FILE = "result.json"
-
 
 class Runtime:
     """One worker's membership in the job. Create it with ``undying.init()``.
 
     It owns the parts and wires them: the ``TrainingState`` (what is trained and restored), the
-    ``Membership`` (generation, members, group, store), the ``CheckpointEngine`` and the
-    ``RecoveryClient``, which receive those objects rather than the runtime.
+    ``Membership`` (generation, members, group, store), the ``CheckpointEngine``, the
+    ``RecoveryClient`` and the ``StepLoop``, which receive those objects rather than the runtime.
     """
 
     def __init__(self, env: WorkerEnv | None = None) -> None:
@@ -80,9 +78,12 @@ class Runtime:
         set_numerics_mode(self.spec.deterministic)  # before any kernel or NCCL communicator
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.reporter = Reporter(env.controller, env.token, self.rank, self.node, env.generation,
+        # Which generation this worker is in, and whether the controller aborted or ends it: the
+        # reporter feeds it from heartbeat replies, the membership moves it, the rest read it.
+        generation = Generation(env.generation)
+        self.reporter = Reporter(env.controller, env.token, self.rank, self.node, generation,
                                  self.spec.heartbeat_interval)
-        self.membership = Membership(env, self.backend, self.device, self.reporter)
+        self.membership = Membership(env, self.backend, self.device, generation)
         if not self.joining:
             self.membership.build_group()
         self.state = TrainingState(holds_state=not self.joining, rank=self.rank)
@@ -91,10 +92,8 @@ class Runtime:
                                           self.local_rank,
                                           lambda step: any(c.step == step for c in list_committed(root)),
                                           self.run_dir / "injections", env.local_world_size)
-        self._resumed_from: int | None = None
         self.draws = DrawLedger()  # a batch carried into a step in a variable (runtime/carried_batches.py)
         self.finished = False
-        self._loop_state_registered = False
         # Its own bounded store connection: a mirror write happens every step, and a store whose
         # host froze must not hold the step for ``start_timeout``.
         self.rng_mirror = RngMirror(self.membership.bounded_store(MIRROR_TIMEOUT_S, name="rng mirror store"),
@@ -107,6 +106,9 @@ class Runtime:
         self.transaction = StepTransaction(self.spec, self.state, self.membership, self.reporter, self.rng_mirror,
                                            self.injections, self.device, self.checkpoints.peer)
         self.bad_steps = BadSteps(self.spec, self.state, self.membership, self.reporter)
+        self.loop = StepLoop(self.spec, self.state, self.membership, self.reporter, self.transaction, self.checkpoints,
+                             self.recovery, self.bad_steps, self.rng_mirror, self.draws, self.device, self.run_dir,
+                             self.joining)
         self.reporter.committing = self.checkpoints.committing_step
         self.reporter.emit(ev.WORKER_READY, step=0, seconds=round(time.time() - started, 4),
                            backend=self.backend, pid=os.getpid(), joining=self.joining)
@@ -274,51 +276,7 @@ class Runtime:
         same step number is yielded again. Schedulers and GradScalers are looked for first
         (``register``): build them before the loop.
         """
-        self._register_loop_state()
-        self.reporter.max_steps = max_steps
-        rerun_cause = self._begin(start)
-        self._mark_commit_boundary()
-        step = self.state.committed_step
-        first = True
-        while step < max_steps:
-            if rerun_cause is not None:
-                print_rerun_line(self.rank, step, self.generation, rerun_cause)
-                rerun_cause = None
-            self.transaction.begin(step)
-            self.draws.begin_step(step)
-            yield Step(step, self.transaction)
-            self.draws.end_step()
-            failure = self.transaction.end()
-            bad = self.transaction.bad_step
-            skipped = bad is not None and self.bad_steps.after_bad(step, bad)  # committed without its update
-            if bad is not None and not skipped:
-                rerun_cause = "a bad step"  # replayed from the committed state
-                continue
-            if failure is not None and not skipped:
-                self._recover(failure, self.transaction.raised)
-                step = self.state.committed_step
-                first = True
-                rerun_cause = "a recovery"
-                continue
-            self.transaction.committed()
-            self.state.committed_step = step + 1
-            self.bad_steps.committed(step)
-            if self.spec.sample_log and not skipped:
-                self._log_samples(step)
-            self._mark_commit_boundary()
-            self.reporter.update(step=self.state.committed_step, phase=Phase.UPDATED)
-            if first and self._resumed_from is not None:
-                self.reporter.emit(ev.FIRST_STEP, step=self.state.committed_step, resumed_from=self._resumed_from)
-            first = False
-            # T1 snapshot every snapshot_interval steps; T2 every checkpoint.interval, in the background.
-            self.checkpoints.at_commit(self.state.committed_step)
-            step += 1
-            if self.membership.ending():
-                # The generation ended after every rank had applied this step (e.g. an elastic grow
-                # began): the step stands, and the regrouping starts from it.
-                self._recover("the controller ended this generation at a step boundary")
-                step = self.state.committed_step
-                first = True
+        return self.loop.steps(max_steps, start)
 
     def finish(self, result: dict[str, Any] | None = None) -> None:
         """End of training: rank 0 writes RUN_DIR/result.json; every rank says it is done (with the
@@ -330,13 +288,10 @@ class Runtime:
             # replicas: copies of the model that trained to the end (a sharded job's: the mesh's rows
             # left, each of several ranks); ranks: the processes that did.
             mesh = self.membership.mesh
-            payload = {"final_step": self.state.committed_step, "world_size": self.world_size,
-                       "replicas": self.replicas if mesh is None else mesh.replicas, "ranks": len(self.members),
-                       "generation": self.generation, **(result or {})}
-            path = self.run_dir / RESULT_FILE
-            tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
-            os.replace(tmp, path)
+            write_result(self.run_dir, {"final_step": self.state.committed_step, "world_size": self.world_size,
+                                        "replicas": self.replicas if mesh is None else mesh.replicas,
+                                        "ranks": len(self.members), "generation": self.generation,
+                                        **(result or {})})
         self.finished = True
         self.reporter.update(phase=Phase.DONE)
         self.reporter.emit(ev.WORKER_DONE, step=self.state.committed_step, **digests)
@@ -345,41 +300,7 @@ class Runtime:
         # (measured: ~3 s per worker on these machines); nothing left is garbage worth that.
         gc.freeze()
 
-    # ------------------------------------------------------------- around the step transaction
-
-    def _register_loop_state(self) -> None:
-        """Once, before the first step: take the unregistered schedulers and GradScalers into the
-        transaction, and say once which ones could not be; refuse an optimizer that is not wrapped."""
-        if self._loop_state_registered:
-            return
-        self._loop_state_registered = True
-        left_out = self.state.register_loop_state()
-        if left_out:
-            warnings.warn(f"undying: not part of the step transaction (a failed step would leave them "
-                          f"advanced; pass each to ft.register): {', '.join(left_out)}", stacklevel=3)
-
-    def _begin(self, start: int | None) -> str | None:
-        """Take up the step the loop starts from (see ``steps``); returns what brought this rank there
-        when its earlier output may hold steps from it on (a recovery, a restore), else None."""
-        if self.joining:
-            self._recover("joining as a replacement rank")
-            return "a recovery"
-        restored = self.checkpoints.restore()
-        if restored:
-            self._resumed_from = self.state.committed_step
-            if start is not None and start != self.state.committed_step:
-                warnings.warn(f"undying: ft.steps starts at step {self.state.committed_step}, restored from "
-                              f"undying's own state, not at start={start}: its state wins (weights, optimizer, "
-                              f"RNG, data position of one committed step)", stacklevel=3)
-        elif agree_on_start(self.membership.current_group(), start, self.device) is not None:
-            assert start is not None
-            start_from_script_checkpoint(self.state, self.membership.current_group(), self.device, start)
-            self.checkpoints.peer.continued(start)  # peer copies anchor at the step the job continues from
-        # Restored: a fault from now on finds this rank holding a step the job can recover from
-        # in place, and the controller must know that before this rank's first step.
-        self.reporter.report_now(self.state.committed_step, Phase.COMPUTING)
-        self.transaction.timer.restart()
-        return "a restore" if restored else None
+    # ------------------------------------------------------------- hooks on the wrapped model
 
     def _watch_forwards(self, model: torch.nn.Module) -> None:
         """Each call of the wrapped model with gradients enabled (a training forward) is shown to the
@@ -401,55 +322,8 @@ class Runtime:
         started): an ``at=allreduce`` injection fires here."""
         self.injections.at_point(ALLREDUCE, self.state.committed_step)
 
-    def _mark_commit_boundary(self) -> None:
-        """Remember what a rollback to this committed step needs, and mirror its RNG state where a
-        replacement finds it even when this process and its node are gone (runtime/rng_mirror.py)."""
-        self.rng_mirror.write_rng(self.state.committed_step, self.state.mark_commit_boundary(),
-                                  abandon=self.membership.aborted)
-
-    def _recover(self, reason: str, raised: tuple[list[str], str] | None = None) -> None:
-        self.recovery.recover(reason, raised)
-        self._resumed_from = self.state.committed_step
-        self.transaction.timer.restart()
-
-    def _log_samples(self, step: int) -> None:
-        """Append the sample indices this rank used in committed ``step`` (``sample_log: true``)."""
-        directory = self.run_dir / "samples"
-        directory.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({"step": step, "rank": self.rank, "group_rank": self.group_rank,
-                           "replicas": self.replicas, "generation": self.generation, "time": time.time(),
-                           "loss": self.reporter.scalars.get("loss"),
-                           "loaders": [{"epoch": loader.step_epoch, "indices": loader.step_indices,
-                                        "slots": loader.slot_count} for loader in self.state.loaders]})
-        with open(directory / f"rank{self.rank:05d}.jsonl", "a") as log:
-            log.write(line + "\n")
-
 
 _runtime: Runtime | None = None
-
-
-def _exit_without_teardown_if_reaping() -> None:
-    """atexit: a group abandoned after a fault may still be joining threads stuck on a dead peer;
-    tearing the interpreter down under it crashes the process (seen: SIGSEGV after a recovered
-    hang). Only after ``finish()``: training is over and its result written, so leave at once with
-    exit code 0; a script that failed keeps the normal teardown and its non-zero exit."""
-    if _runtime is not None and _runtime.finished and reapers_alive():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-def _excepthook_then_freeze(previous: Any) -> Any:
-    """An uncaught exception ends the worker: print it as usual, then spare the interpreter's final
-    garbage collection over torch's objects (seconds on these machines), so the agent sees the
-    exit, and the controller the real cause, at once."""
-
-    def hook(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
-        previous(kind, value, traceback)
-        sys.stderr.flush()
-        gc.freeze()
-
-    return hook
 
 
 def init() -> Runtime:
@@ -457,6 +331,6 @@ def init() -> Runtime:
     global _runtime
     if _runtime is None:
         _runtime = Runtime()
-        atexit.register(_exit_without_teardown_if_reaping)
-        sys.excepthook = _excepthook_then_freeze(sys.excepthook)
+        runtime = _runtime
+        install_exit_hooks(lambda: runtime.finished)
     return _runtime

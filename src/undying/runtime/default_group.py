@@ -19,14 +19,8 @@ from torch.distributed import distributed_c10d
 
 from undying._torch_compat.dist import default_group_names
 from undying._torch_compat.training import import_dynamo
-from undying.runtime.pg import (
-    ABORT_POLL_S,
-    CollectiveError,
-    GenerationGroup,
-    abort_quietly,
-    await_last_references,
-    start_reaper,
-)
+from undying.runtime.pg import ABORT_POLL_S, CollectiveError, GenerationGroup
+from undying.runtime.reapers import abort_quietly, await_last_references, start_reaper
 
 STORE_PREFIX = "default"  # under the generation's prefix: keys .../gen{g}/default/...
 ALREADY_INITIALIZED = ("torch.distributed is already initialized: undying.init() installs the default "

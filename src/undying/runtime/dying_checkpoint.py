@@ -21,15 +21,14 @@ from undying import events as ev
 from undying.checkpoint import FileRecord, commit, save_object, staging_dir
 from undying.checkpoint.dcp_format import UNDYING_KEY, to_dcp, write_shared_shard
 from undying.checkpoint.dcp_sharded import Exchange, save_sharded
-from undying.checkpoint.manifest import NUMERICS_KEY
+from undying.checkpoint.manifest import NUMERICS_KEY, rank_state_file
 from undying.config import JobSpec
 from undying.protocol import Plan
+from undying.runtime.event_sink import EventSink
 from undying.runtime.membership import Membership
 from undying.runtime.mesh import SwappableMesh
-from undying.runtime.reporter import Reporter
 from undying.runtime.rng_mirror import RngMirror
 from undying.runtime.sharded import ShardLost
-from undying.runtime.snapshots import rank_state_file
 from undying.runtime.training_state import TrainingState
 
 if TYPE_CHECKING:
@@ -66,7 +65,7 @@ def dump_files(plan: Plan, rank: int, members: list[int], mesh: SwappableMesh | 
 class DyingCheckpoint:
     """Writes this rank's part of a dump (see the module docstring)."""
 
-    def __init__(self, spec: JobSpec, membership: Membership, state: TrainingState, reporter: Reporter,
+    def __init__(self, spec: JobSpec, membership: Membership, state: TrainingState, reporter: EventSink,
                  rng_mirror: RngMirror, checkpoints: CheckpointEngine) -> None:
         self.spec = spec
         self.membership = membership

@@ -16,10 +16,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from undying import events as ev
 from undying.inject import COMMIT_WAIT_S, NAN, SLOW, Injection, fire
-from undying.runtime.reporter import Reporter
+from undying.runtime.event_sink import EventSink
 
 STEP = "step"  # the start of a training step (or, for ``raise``, inside its body)
 RECOVERY = "recovery"  # while regrouping after a fault
@@ -35,10 +36,17 @@ NODE = "node"
 NODE_PEERS_WAIT_S = 10.0  # the longest a node fault waits for its node's other local ranks
 
 
+class ClaimsAndEvents(EventSink, Protocol):
+    """What the injections need of the reporter: the controller's word that an injection may fire
+    (each fires once per job), and its event."""
+
+    def claim_injection(self, index: int, step: int) -> bool: ...
+
+
 class InjectionPoints:
     """The injections aimed at this worker (rank, node, local rank), fired at the points they name."""
 
-    def __init__(self, injections: list[Injection], reporter: Reporter, rank: int, node: int,
+    def __init__(self, injections: list[Injection], reporter: ClaimsAndEvents, rank: int, node: int,
                  local_rank: int, is_committed: Callable[[int], bool], markers: Path | None = None,
                  local_world_size: int = 1) -> None:
         """``is_committed(step)``: whether the job's checkpoint root holds that step committed;

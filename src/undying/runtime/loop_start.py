@@ -2,7 +2,7 @@
 checkpoint names (``ft.steps(max_steps, start=iter_num)``), the same state on every rank; and the
 line a rank's log gets when steps it printed before are run again.
 
-Runs in the worker, called by the runtime (runtime/core.py) before the first step.
+Runs in the worker, called by the step loop (runtime/step_loop.py) before the first step.
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ from undying.config import JobSpec
 from undying.protocol import Plan
 from undying.runtime.bounded_store import BoundedStore, connect_bounded
 from undying.runtime.default_group import DefaultGroup
+from undying.runtime.generation import Generation
 from undying.runtime.gloo_interface import choose_gloo_interface
 from undying.runtime.mesh import SwappableMesh
 from undying.runtime.pg import GenerationGroup, connect_store
-from undying.runtime.reporter import Reporter
 from undying.worker_env import WorkerEnv
 
 
@@ -27,7 +27,7 @@ class Membership:
     """``rank`` is this process's identity for the life of the job; ``group_rank`` its place in the
     current generation's group and data-parallel split (they differ after an elastic shrink)."""
 
-    def __init__(self, env: WorkerEnv, backend: str, device: torch.device, reporter: Reporter) -> None:
+    def __init__(self, env: WorkerEnv, backend: str, device: torch.device, generation: Generation) -> None:
         self.rank = env.rank
         self.world_size = env.world_size  # the job's ranks (batch slots), whatever the current members
         self.node = env.node
@@ -35,9 +35,8 @@ class Membership:
         self.store_prefix = env.store_prefix
         self.backend = backend
         self.device = device
-        self.generation = env.generation
         self._spec: JobSpec = env.spec
-        self._reporter = reporter
+        self._generation = generation  # which generation, and whether aborted or ending (runtime/generation.py)
         self.store_address = env.store_address
         choose_gloo_interface(backend, self.store_address)  # before any group is built: gloo reads it then
         self.store: dist.Store = (torch.distributed.HashStore() if self.store_address is None
@@ -51,6 +50,15 @@ class Membership:
         self.mesh: SwappableMesh | None = None  # a sharded job's device mesh (ft.device_mesh), rebuilt with the group
 
     @property
+    def generation(self) -> int:
+        """The generation this worker is in."""
+        return self._generation.current
+
+    @generation.setter
+    def generation(self, generation: int) -> None:
+        self._generation.enter(generation)
+
+    @property
     def group_rank(self) -> int:
         return self.members.index(self.rank)
 
@@ -61,11 +69,11 @@ class Membership:
 
     def aborted(self) -> bool:
         """Has the controller told this generation to stop now (a fault elsewhere)?"""
-        return self._reporter.abort_generation >= self.generation
+        return self._generation.aborted()
 
     def ending(self) -> bool:
         """Does the controller end this generation at the next step boundary (an elastic grow)?"""
-        return self._reporter.end_generation >= self.generation or self.aborted()
+        return self._generation.ending()
 
     def current_group(self) -> GenerationGroup:
         if self.group is None:
@@ -120,7 +128,6 @@ class Membership:
     def enter(self, plan: Plan) -> None:
         """Become part of the plan's generation (its group is built next: ``build_group``)."""
         self.generation = plan.generation
-        self._reporter.generation = plan.generation
         self.members = list(plan.members) if plan.members else list(range(plan.world_size or self.world_size))
 
     def move_store(self, address: str) -> bool:

@@ -15,9 +15,9 @@ from typing import Any
 from undying import events as ev
 from undying.checkpoint.snapshot import RankSnapshots
 from undying.config import JobSpec
+from undying.runtime.event_sink import EventSink
 from undying.runtime.membership import Membership
 from undying.runtime.peer_copy import NO_COPY, CopyReport, PeerCopy, origin_of
-from undying.runtime.reporter import Reporter
 from undying.runtime.state_transfer import recv_state, send_state
 from undying.runtime.training_state import TrainingState
 from undying.shm import node_dir
@@ -29,7 +29,7 @@ MIN_SLOTS = 3  # the anchor, the snapshot being copied, and the newest
 class PeerCopies:
     """The job's peer copies, for one rank: ``enabled`` or not, and this rank's ``PeerCopy`` once started."""
 
-    def __init__(self, spec: JobSpec, membership: Membership, reporter: Reporter, job_id: str | None,
+    def __init__(self, spec: JobSpec, membership: Membership, reporter: EventSink, job_id: str | None,
                  token: str, snapshots: Callable[[], RankSnapshots]) -> None:
         self._mode = spec.checkpoint.peer_copy
         self._ranks_per_node = spec.nproc_per_node

@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from undying._torch_compat.dist import set_backend_timeout
+from undying.runtime.reapers import abort_quietly, release_last_references, start_reaper
 from undying.store_link import StoreLink
 
 ABORT_POLL_S = 0.05  # how often a waiting collective checks for an abort from the controller
 DEVICE_POLL_MIN_S = 0.0001  # NCCL: first pause between polls of a collective's completion on the GPU
 DEVICE_POLL_MAX_S = 0.002  # ... doubling up to this
-REAP_DELAY_S = 2.0  # the longest a reaper waits for the training thread to let go of a dropped group
-REAP_POLL_S = 0.01
 BACKEND_TIMEOUT_S = 1800.0  # the backends' own default (30 minutes), used when watchdog is off
 # NCCL's watchdog must not tear the process down (SIGABRT) when a collective times out: our own
 # bounded wait reports it and recovery aborts the group. Read by each ProcessGroupNCCL at construction.
@@ -320,7 +318,7 @@ class GenerationGroup:
         doomed: list[object] = [self.group, *self._abandoned]
         self.group = None  # type: ignore[assignment]
         self._abandoned = []
-        start_reaper(_reap, doomed)
+        start_reaper(release_last_references, doomed)
 
 
 def _settled(work: dist.Work, finished: threading.Event, poll_device: bool) -> bool:
@@ -351,53 +349,6 @@ def _blocking_wait(work: dist.Work, finished: threading.Event, failure: list[Bas
         finished.set()
 
 
-_reapers: list[threading.Thread] = []
-
-
-def start_reaper(reap: Callable[..., None], *doomed: object) -> None:
-    """Run ``reap(*doomed)`` on a thread that ``reapers_alive`` counts: the thread's arguments are
-    the last references to a dropped group, whose teardown may wait on a dead peer."""
-    reaper = threading.Thread(target=reap, args=doomed, name="undying-reaper", daemon=True)
-    _reapers.append(reaper)
-    reaper.start()
-
-
-def reapers_alive() -> bool:
-    """Is an abandoned group still being torn down (its destructor waiting on a dead peer)?"""
-    return any(thread.is_alive() for thread in _reapers)
-
-
-def _reap(doomed: list[object]) -> None:
-    await_last_references(doomed)
-    doomed.clear()  # the works first (a list lets its items go from the last), then the group
-
-
-def await_last_references(doomed: list[Any], limit: float = REAP_DELAY_S) -> None:
-    """Return once the list ``doomed`` (a reaper's) holds the only references to its items, or after
-    ``limit`` seconds.
-
-    The training thread may still hold a dropped group, in the frames of an exception being unwound;
-    were its reference the last, the group's destructor (which can wait on a dead peer) would run on
-    that thread. Python's reference counts say when the reaper is the only holder, so it lets the
-    group go at once, and its sockets close (every peer still in one of its collectives fails) at the
-    drop, not a fixed pause later. Not seen: references held from C++ (a DDP reducer's); such a group
-    lives until its holder goes, as it would have anyway."""
-    deadline = time.monotonic() + limit
-    while not _held_only_by(doomed) and time.monotonic() < deadline:
-        time.sleep(REAP_POLL_S)
-
-
-def _held_only_by(items: list[Any]) -> bool:
-    probe = object()  # counted the same way as the items, plus its own name here
-    items.append(probe)
-    try:
-        counts = [sys.getrefcount(item) for item in items]
-    finally:
-        items.pop()
-    ours = counts[-1] - 1
-    return all(count <= ours for count in counts[:-1])
-
-
 def flat_views(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
     """Views of ``flat`` laid out like ``tensors`` in order (shape of each tensor)."""
     views, offset = [], 0
@@ -405,15 +356,3 @@ def flat_views(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torc
         views.append(flat[offset:offset + tensor.numel()].view_as(tensor))
         offset += tensor.numel()
     return views
-
-
-def abort_quietly(group: object) -> None:
-    """Abort a backend group's communicators (NCCL) if it has the call; a group being dropped
-    either way, its errors are of no interest."""
-    abort = getattr(group, "abort", None)
-    if abort is None:
-        return
-    try:
-        abort()
-    except Exception:  # noqa: BLE001, S110 - the group is being dropped either way
-        pass

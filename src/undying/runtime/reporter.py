@@ -34,6 +34,7 @@ from undying.protocol import (
     PlanAction,
     RecoverRequest,
 )
+from undying.runtime.generation import Generation
 from undying.runtime.step_timing import StepTimes
 
 PROGRESS_MIN_SPACING = 0.1  # seconds between two heartbeats, however fast steps go
@@ -41,13 +42,17 @@ EVENT_TIMEOUT_S = 5.0
 
 
 class Reporter:
-    """Heartbeats and events of one worker. With no controller (standalone runs) it only prints."""
+    """Heartbeats and events of one worker. With no controller (standalone runs) it only prints.
 
-    def __init__(self, address: str | None, token: str, rank: int, node: int, generation: int,
+    It feeds ``generation`` (runtime/generation.py) with what each heartbeat reply says: the newest
+    generation the controller aborted, and the newest it ends; its beats and events carry that
+    object's current generation. Given a number, it keeps a ``Generation`` of its own."""
+
+    def __init__(self, address: str | None, token: str, rank: int, node: int, generation: Generation | int,
                  interval: float) -> None:
         self.rank = rank
         self.node = node
-        self.generation = generation
+        self._generation = Generation(generation) if isinstance(generation, int) else generation
         self.interval = interval
         self.step = 0
         self.phase = Phase.STARTING
@@ -57,8 +62,6 @@ class Reporter:
         self.step_times = StepTimes()  # the newest committed steps' times (runtime/step_timing.py)
         # The step whose T2 checkpoint this rank commits, its persister busy with it (0: none).
         self.committing: Callable[[], int] = lambda: 0
-        self.abort_generation = 0  # the newest generation the controller told us to abandon
-        self.end_generation = 0  # the newest generation the controller ends at a step boundary
         self.mirror_store = ""  # failover jobs: a second store for the RNG mirror (from heartbeat replies)
         # Monotonic time at which the newest heartbeat the controller answered was sent: the
         # controller cannot have declared this rank silent before that time + heartbeat_timeout.
@@ -74,6 +77,16 @@ class Reporter:
         self._thread = threading.Thread(target=self._beat_forever, name="undying-heartbeat", daemon=True)
         if address:
             self._thread.start()
+
+    @property
+    def generation(self) -> int:
+        """The generation this worker is in (its ``Generation``'s)."""
+        return self._generation.current
+
+    @property
+    def abort_generation(self) -> int:
+        """The newest generation the controller told this worker to abandon."""
+        return self._generation.abort_generation
 
     @property
     def connected(self) -> bool:
@@ -128,8 +141,7 @@ class Reporter:
             reply = HeartbeatReply.from_dict(client.post(ROUTE_WORKER_HEARTBEAT, beat.to_dict()))
         except ControllerUnreachable:
             return
-        self.abort_generation = max(self.abort_generation, reply.abort_generation)
-        self.end_generation = max(self.end_generation, reply.end_generation)
+        self._generation.heard(reply.abort_generation, reply.end_generation)
         self.mirror_store = reply.mirror_store
         self._answered_sent_at = max(self._answered_sent_at or sent_at, sent_at)
 

@@ -1,7 +1,7 @@
 """What a (re)starting job restores: rank 0's choice between the newest step every rank holds in
 T1 and the newest verified T2 checkpoint, with the shared shard it read for the latter.
 
-Runs in the worker (rank 0 of a restore); the checkpoint engine (runtime/snapshots.py) gathers
+Runs in the worker (rank 0 of a restore); the restore at a start (runtime/start_restore.py) gathers
 every rank's T1 steps, calls ``choose_restore`` and publishes the plan it returns to every rank.
 """
 

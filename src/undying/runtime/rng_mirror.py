@@ -30,7 +30,7 @@ import torch.distributed as dist
 from undying import events as ev
 from undying.client import parse_address
 from undying.runtime.bounded_store import BoundedStore, connect_bounded
-from undying.runtime.reporter import Reporter
+from undying.runtime.event_sink import EventSink
 from undying.runtime.rng import capture_rng, rng_from_bytes, rng_to_bytes
 
 KEEP = 3  # steps of mirrored RNG state kept per rank
@@ -46,7 +46,7 @@ def bounded(address: str, timeout: float) -> BoundedStore:
 class RngMirror:
     """One rank's RNG mirror in the job's store (and a backup store, in failover jobs)."""
 
-    def __init__(self, store: BoundedStore, prefix: str, rank: int, reporter: Reporter,
+    def __init__(self, store: BoundedStore, prefix: str, rank: int, reporter: EventSink,
                  backup_address: Callable[[], str] = lambda: "") -> None:
         self.store = store
         self.prefix = prefix

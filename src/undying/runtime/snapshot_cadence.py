@@ -46,8 +46,8 @@ from undying import events as ev
 
 if TYPE_CHECKING:
     from undying.config.model import CheckpointSpec
+    from undying.runtime.event_sink import EventSink
     from undying.runtime.membership import Membership
-    from undying.runtime.reporter import Reporter
 
 START_INTERVAL = 1  # every step until measured: the non-auto default
 ROUND_STEPS_MAX = 20  # at most this many steps between two round boundaries (fewer with a shorter T2 interval)
@@ -166,7 +166,7 @@ class SnapshotCadence:
             self.observe(now - committed_at - (stall or 0.0), stall)
         return self.at_boundary(step, group_rank, replicas)
 
-    def pace(self, step: int, membership: Membership, reporter: Reporter, checkpoint_interval: int,
+    def pace(self, step: int, membership: Membership, reporter: EventSink, checkpoint_interval: int,
              timed: tuple[int, float, float] | None, copying: bool, last_stall: float) -> None:
         """The checkpoint engine, at every commit: hand the cadence the step that just committed
         (``committed``), and emit its change of interval.

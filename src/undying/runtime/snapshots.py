@@ -1,16 +1,15 @@
 """Worker side of the state tiers: T1 snapshots at step boundaries, T2 persistence in the
-background, and the restore from node memory or storage (rank 0's choice: runtime/restore_plan.py).
+background, and the restore from node memory or storage (runtime/start_restore.py).
 
 Runs in the worker. ``Runtime`` (runtime/core.py) owns one ``CheckpointEngine`` and gives it
-the ``TrainingState`` to save and load: it calls ``at_commit`` at every commit boundary,
-``restore`` when the job (re)starts and ``close`` in ``finish()``. The snapshot files live in
+the ``TrainingState`` to save and load; the step loop (runtime/step_loop.py) calls ``at_commit``
+at every commit boundary and ``restore`` when the job (re)starts, ``finish()`` calls ``close``. The snapshot files live in
 the node's shared-memory directory, which the node's agent owns (undying/shm.py); a standalone
 run (no agent) snapshots into private memory instead.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,31 +19,27 @@ import torch
 
 from undying import events as ev
 from undying.checkpoint import (
-    CommittedCheckpoint,
     Location,
-    list_committed,
-    load_object,
     remove_stale_partials,
     root_location,
 )
 from undying.checkpoint.copy import updated_only_by
 from undying.checkpoint.dcp_format import optimizer_param_names
-from undying.checkpoint.manifest import NUMERICS_KEY
+from undying.checkpoint.manifest import NUMERICS_KEY, rank_state_file
 from undying.checkpoint.node_replica import PART, REPLICA, NodeReplica, replica_part
 from undying.checkpoint.persister import Persister, PersistResult
 from undying.checkpoint.snapshot import RankSnapshots, SnapshotUnavailable
 from undying.config import JobSpec
 from undying.config.model import SNAPSHOT_INTERVAL_AUTO
 from undying.runtime.bounded_store import BoundedStore, connect_bounded
-from undying.runtime.devices import numerics_differences, numerics_record
+from undying.runtime.devices import numerics_record
 from undying.runtime.injection_points import InjectionPoints
 from undying.runtime.membership import Membership
 from undying.runtime.peer_copies import PeerCopies
 from undying.runtime.reporter import Reporter
-from undying.runtime.restore_plan import SOURCE_MEMORY, SOURCE_STORAGE, choose_restore
 from undying.runtime.sharded_checkpoint import DcpLayout
 from undying.runtime.snapshot_cadence import SnapshotCadence
-from undying.runtime.state_transfer import broadcast_state
+from undying.runtime.start_restore import restore_at_start
 from undying.runtime.training_state import TrainingState
 from undying.shm import node_dir
 
@@ -52,19 +47,9 @@ RECORDS_TIMEOUT_MIN_S = 60.0  # rank 0 waits at least this long for the other ra
 PERSIST_STORE_TIMEOUT_S = 10.0  # the persister's store connection: per call, not for the records wait
 
 
-def rank_state_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
-
-
 def checkpoint_root(spec: JobSpec, run_dir: Path) -> Location:
     """Where T2 checkpoints go: ``checkpoint.dir`` (a path or URL), else the run directory's."""
     return root_location(spec.checkpoint.dir) if spec.checkpoint.dir else run_dir / "checkpoints"
-
-
-def _written_by(checkpoint: CommittedCheckpoint) -> list[int]:
-    """The ranks whose files a checkpoint holds (older manifests name none: every rank of its size)."""
-    members = checkpoint.manifest.meta.get("members")
-    return [int(rank) for rank in members] if members else list(range(checkpoint.manifest.world_size))
 
 
 class CheckpointEngine:
@@ -105,7 +90,7 @@ class CheckpointEngine:
         self._records_timeout = max(RECORDS_TIMEOUT_MIN_S, 2 * spec.comm_timeout)
         # The restore at start is a start-up rendezvous: ranks may still be importing torch, and rank 0
         # reads T2 before it publishes the plan; start_timeout is the allowance for both.
-        self._restore_timeout = spec.start_timeout
+        self.restore_timeout = spec.start_timeout
         self.state = state
         self.membership = membership
         self.reporter = reporter
@@ -341,6 +326,12 @@ class CheckpointEngine:
         training.load_replica_state(state[REPLICA])
         training.load_rank_state(state["rank"])
 
+    def restore(self) -> bool:
+        """Load the newest state every rank can reach (see the class docstring) and report it; False
+        when there was none (a fresh start). Every rank calls it when the job (re)starts
+        (runtime/start_restore.py)."""
+        return restore_at_start(self)
+
     def _fall_back_to_private_memory(self, error: BaseException) -> None:
         self.reporter.emit(ev.SNAPSHOT_UNAVAILABLE, reason=str(error), directory=str(self.directory))
         if self._persister is not None:
@@ -373,89 +364,3 @@ class CheckpointEngine:
         except OSError as error:
             print(f"undying: rank {self.membership.rank}: could not remove unfinished checkpoint directories "
                   f"under {self.root}: {error}", file=sys.stderr, flush=True)
-
-    # ------------------------------------------------------------- restore (every rank, at start)
-
-    def restore(self) -> bool:
-        """Load the newest state every rank can reach (see the class docstring) and report it; False
-        when there was none (a fresh start)."""
-        membership, training = self.membership, self.state
-        started = time.time()
-        group = membership.current_group()
-        # A snapshot records the replicas it was taken with: after a restart at a shrunk size only
-        # those taken at that size count (the full-size ones predate the shrink).
-        held = self.node_t1().held(membership.replicas)
-        holders = self.peer.holders()  # peer copies: a rank whose node was lost restores from its holder's
-        copies = self.peer.steps_held(membership.replicas) if holders is not None else []
-        report = {"held": held, "copies": copies, "numerics": self.numerics}
-        gathered = group.gather_objects("restore/t1", json.dumps(report).encode(), self._restore_timeout)
-        loaded: dict[str, Any] | None = None
-        reports: list[dict[str, Any]] = []  # rank 0: every rank's, in group order
-        if gathered is not None:
-            reports = [json.loads(blob) for blob in gathered]
-            own = [set(each["held"]) for each in reports]
-            reach = [steps | set(reports[holders[index]]["copies"]) if holders and index in holders else steps
-                     for index, steps in enumerate(own)]
-            plan, loaded = choose_restore(self.root, membership.generation, reach, training.sharded,
-                                          self._report_corrupt)
-            if plan["source"] == SOURCE_MEMORY and holders:
-                plan["from_copies"] = {index: holders[index] for index, steps in enumerate(own)
-                                       if plan["step"] not in steps}
-            group.publish("restore_plan", json.dumps(plan).encode())
-        plan = json.loads(group.read("restore_plan", self._restore_timeout))
-        source, step = plan["source"], plan["step"]
-        if source == SOURCE_MEMORY:
-            from_copies = {int(index): holder for index, holder in plan.get("from_copies", {}).items()}
-            details: dict[str, Any] = {"path": None if self.directory is None else str(self.directory),
-                                       "dump": False}
-            index = membership.members.index(membership.rank)
-            self.peer.send_copies(step, from_copies)
-            if index in from_copies:  # this rank's node was lost: its holder's copy
-                self.peer.receive_copy(from_copies[index], training)
-                details["peer_copy"] = membership.members[from_copies[index]]
-            else:
-                # Into the live tensors where they exist (the model's parameters; optimizer state once
-                # it has stepped): a restore allocates only what the process does not hold yet.
-                self.load_t1(step)
-            self.snapshots.invalidate(keep_step=step)
-        elif source == SOURCE_STORAGE:
-            training.load_replica_state(broadcast_state(group, loaded, 0, membership.device,
-                                                        live=training.replica_state()))
-            checkpoint = next(c for c in list_committed(self.root) if c.step == step)
-            if reports:
-                self._report_numerics(checkpoint, [each["numerics"] for each in reports])
-            rank_state: dict[str, Any] = {}
-            if _written_by(checkpoint) == membership.members:
-                rank_state = load_object(checkpoint, rank_state_file(membership.rank))
-                training.load_rank_state(rank_state)
-            if training.sharded and "shards" not in rank_state:
-                self.dcp_layout().load(checkpoint)  # this rank's part of every shard, whatever mesh wrote it
-            self.snapshots.invalidate()
-            details = {"path": str(checkpoint.path), "dump": bool(checkpoint.manifest.meta.get("dump"))}
-        else:
-            self.snapshots.invalidate()
-            self.peer.continued(training.committed_step)
-            return False
-        self.peer.continued(training.committed_step)
-        self.reporter.update(step=training.committed_step)
-        self.reporter.emit(ev.CHECKPOINT_LOAD, step=training.committed_step, source=source,
-                           seconds=round(time.time() - started, 4), **details)
-        return True
-
-    def _report_corrupt(self, path: Location, reason: str) -> None:
-        self.reporter.emit(ev.CHECKPOINT_CORRUPT, path=str(path), reason=reason)
-
-    def _report_numerics(self, checkpoint: CommittedCheckpoint, records: list[dict[str, Any]]) -> None:
-        """Rank 0, restoring from storage: one ``numerics_changed`` when any rank's numerics differ
-        from those the checkpoint was written under; its ``current`` is the first such rank's record.
-        A checkpoint that recorded none (an older undying) is not compared."""
-        recorded = checkpoint.manifest.meta.get(NUMERICS_KEY)
-        if not isinstance(recorded, dict):
-            return
-        changed = {rank: record for rank, record in zip(self.membership.members, records, strict=False)
-                   if numerics_differences(recorded, record)}
-        if not changed:
-            return
-        differs = sorted({key for record in changed.values() for key in numerics_differences(recorded, record)})
-        self.reporter.emit(ev.NUMERICS_CHANGED, step=checkpoint.step, path=str(checkpoint.path), differs=differs,
-                           ranks=list(changed), recorded=recorded, current=next(iter(changed.values())))

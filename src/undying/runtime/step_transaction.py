@@ -1,6 +1,6 @@
 """One training step as a transaction: every rank applies it, or none does.
 
-Runs in the worker. The runtime (runtime/core.py) begins one per step; the wrapped optimizer's
+Runs in the worker. The step loop (runtime/step_loop.py) begins one per step; the wrapped optimizer's
 ``step()`` asks ``commit`` whether to apply the update: the gradients are averaged (during
 backward as a rule, runtime/ddp.py), every rank votes, and a rank whose generation the controller
 has meanwhile aborted applies nothing. An exception inside ``with step:`` votes no when ``retry``

@@ -1,0 +1,49 @@
+"""How a worker process ends: without a teardown that would hang or crash on a dropped group.
+
+Runs in the worker, installed once by ``undying.init()`` (runtime/core.py). A group abandoned
+after a fault may still be torn down by a reaper thread (runtime/reapers.py) stuck on a dead peer,
+and an uncaught exception would otherwise wait for the interpreter's final garbage collection over
+torch's objects: both delay (or crash) the exit the agent and controller are waiting to see.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import sys
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from undying.runtime.reapers import reapers_alive
+
+
+def install_exit_hooks(finished: Callable[[], bool]) -> None:
+    """Register the exit hooks of this process; ``finished``: has the script called ``finish()``?"""
+    atexit.register(_exit_without_teardown_if_reaping, finished)
+    sys.excepthook = _excepthook_then_freeze(sys.excepthook)
+
+
+def _exit_without_teardown_if_reaping(finished: Callable[[], bool]) -> None:
+    """atexit: a group abandoned after a fault may still be joining threads stuck on a dead peer;
+    tearing the interpreter down under it crashes the process (seen: SIGSEGV after a recovered
+    hang). Only after ``finish()``: training is over and its result written, so leave at once with
+    exit code 0; a script that failed keeps the normal teardown and its non-zero exit."""
+    if finished() and reapers_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _excepthook_then_freeze(previous: Any) -> Any:
+    """An uncaught exception ends the worker: print it as usual, then spare the interpreter's final
+    garbage collection over torch's objects (seconds on these machines), so the agent sees the
+    exit, and the controller the real cause, at once."""
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
+        previous(kind, value, traceback)
+        sys.stderr.flush()
+        gc.freeze()
+
+    return hook
