@@ -202,3 +202,14 @@ def test_progress_line_from_events() -> None:
     assert progress.line() == "[undying] step 10/100 (10%) | loss 2.5 | 1 fault"
     progress.on_event(Event(ev.JOB_END, details={"outcome": "succeeded"}), now=110.0)
     assert progress.line().endswith("| succeeded")
+
+
+def test_a_recovery_handover_is_one_console_line_naming_both_strategies(capsys: pytest.CaptureFixture[str]) -> None:
+    from undying import events as ev
+    from undying.events import Event
+    from undying.launch.console import print_event
+
+    print_event(Event(ev.RECOVERY_HANDOVER, step=12, generation=3,
+                      details={"from": "retry", "to": "recover-in-place", "why": "rank 3's process is gone"}))
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.endswith("step 12 gen 3: recovery handed from retry to recover-in-place: rank 3's process is gone"), line

@@ -35,6 +35,7 @@ def print_event(event: Event) -> None:
     describers: dict[str, Callable[[], str]] = {
         ev.FAULT_DETECTED: lambda: f"FAULT {details.get('description')}",
         ev.DECISION: lambda: f"decision: {details.get('strategy')} ({details.get('reason')})",
+        ev.RECOVERY_HANDOVER: lambda: f"recovery handed from {details.get('from')} to {details.get('to')}: {details.get('why')}",
         ev.GENERATION_START: lambda: f"generation started, world size {details.get('world_size')}",
         ev.CHECKPOINT_LOAD: lambda: f"loaded checkpoint of step {event.step} from {details.get('source')}",
         ev.CHECKPOINT_CORRUPT: lambda: f"skipped corrupt checkpoint {details.get('path')}: {details.get('reason')}",
