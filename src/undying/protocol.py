@@ -310,6 +310,9 @@ class Heartbeat(Message):
     # The step whose T2 checkpoint this rank's persister writes as the committing rank (0: none): a job
     # restart lets it commit before the workers are stopped (strategies/job_restart.py).
     committing: int = 0
+    # A sharded job of one replica: its T1 snapshots are copied to the next node (runtime/peer_copy.py),
+    # so a lost node's shards come back from there (sharded_support.py).
+    mesh_peer_copies: bool = False
 
 
 @dataclass

@@ -207,6 +207,7 @@ class JobMachine(JobCore):
         self.crash_loop.heard(beat.generation, beat.step, beat.phase)
         if beat.mesh_shard:
             self.membership.mesh_shard = beat.mesh_shard
+            self.membership.mesh_peer_copies = beat.mesh_peer_copies
         if record.logged_step != beat.step and now - record.last_logged >= HEARTBEAT_LOG_EVERY:
             record.last_logged = now
             record.logged_step = beat.step

@@ -95,6 +95,7 @@ class Membership:
         # A sharded job's ranks per replica (ft.device_mesh's shard, from the workers' heartbeats);
         # 0: data parallel, or not heard yet. Rank r sits in replica r // mesh_shard.
         self.mesh_shard = 0
+        self.mesh_peer_copies = False  # a one-replica mesh's T1 is copied to the next node
 
     def incomplete_replicas(self, members: list[int] | set[int]) -> list[int]:
         """The replicas of a sharded job of which ``members`` hold some ranks but not all (none for a

@@ -160,12 +160,13 @@ class Runtime:
         bounded by ``comm_timeout``, aborted with it (runtime/mesh.py). Call it once, before wrapping."""
         if self.membership.mesh is not None or self.state.models:
             raise ValueError("ft.device_mesh: call it once, before ft.wrap_model")
+        peer_copies = self.checkpoints.peer.copies_for(replicate)
         mesh = make_mesh(self.rank, self.world_size, replicate, shard, list(self.spec.recover_strategy),
                          self.backend, self.device, t1_snapshots=self.spec.checkpoint.snapshot_interval != 0,
-                         peer_copies=self.checkpoints.peer.copies_for(replicate))
+                         peer_copies=peer_copies)
         mesh.on_gradient_reduction(self._in_gradient_sync)
         self.membership.attach_mesh(mesh)
-        self.reporter.mesh_shard = mesh.shard
+        self.reporter.mesh_shard, self.reporter.mesh_peer_copies = mesh.shard, peer_copies
         self.reporter.beat_now()
         self.state.sharded = True
         if self.joining and self.membership.group is None:

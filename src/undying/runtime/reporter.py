@@ -58,6 +58,7 @@ class Reporter:
         self.phase = Phase.STARTING
         self.scalars: dict[str, float] = {}  # the newest value of each name the script logged (ft.log)
         self.mesh_shard = 0  # set by ft.device_mesh: the controller shrinks a sharded job by whole replicas
+        self.mesh_peer_copies = False  # set by ft.device_mesh: a one-replica mesh's T1 copied to the next node
         self.max_steps = 0  # set by ft.steps(n): the console shows the step of n
         self.step_times = StepTimes()  # the newest committed steps' times (runtime/step_timing.py)
         # The step whose T2 checkpoint this rank commits, its persister busy with it (0: none).
@@ -135,7 +136,7 @@ class Reporter:
         times = self.step_times
         beat = Heartbeat(self.rank, self.node, self.generation, self.step, self.phase, os.getpid(), self.scalars,
                          self.mesh_shard, self.max_steps, times.steps, round(times.compute, 6),
-                         round(times.comm, 6), round(times.data, 6), self.committing())
+                         round(times.comm, 6), round(times.data, 6), self.committing(), self.mesh_peer_copies)
         sent_at = time.monotonic()
         try:
             reply = HeartbeatReply.from_dict(client.post(ROUTE_WORKER_HEARTBEAT, beat.to_dict()))

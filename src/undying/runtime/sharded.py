@@ -18,19 +18,11 @@ import torch
 from undying._torch_compat.fsdp import forget_unsharded_gradients, fsdp_meshes
 from undying._torch_compat.training import compiled_original
 from undying.runtime.mesh import SwappableGroup, SwappableMesh
+from undying.sharded_support import mesh_refusal, usable_strategies
 from undying.strategy_names import StrategyName
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
-
-# What a sharded job may list in recover_strategy besides exit and job-restart.
-SHARDED_STRATEGIES = (StrategyName.RETRY, StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER, StrategyName.DUMP,
-                      StrategyName.ELASTIC)
-REFUSED_STRATEGIES: tuple[StrategyName, ...] = ()  # refused whatever the mesh
-# They need another replica of each shard (replicate >= 2): a repair's donor, a dump's writer, the
-# whole replicas an elastic shrink trains on.
-REPLICA_STRATEGIES = (StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER, StrategyName.DUMP, StrategyName.ELASTIC)
-
 
 def make_mesh(rank: int, world_size: int, replicate: int, shard: int | None, strategies: list[str],
               backend: str, device: torch.device, t1_snapshots: bool = False,
@@ -44,17 +36,13 @@ def make_mesh(rank: int, world_size: int, replicate: int, shard: int | None, str
     if not isinstance(shard, int) or shard < 1 or replicate * shard != world_size:
         raise ValueError(f"ft.device_mesh: replicate x shard must equal the job's world size {world_size} "
                          f"(got {replicate} x {shard})")
-    refused = [str(name) for name in strategies if name in REFUSED_STRATEGIES]
-    t1_in_place: tuple[StrategyName, ...] = (StrategyName.RECOVER_IN_PLACE,) if t1_snapshots else ()
-    if t1_snapshots and peer_copies:
-        t1_in_place += (StrategyName.RECOVER,)
-    if replicate == 1:
-        # Pure FSDP: no other replica holds a lost rank's shard. Its node's T1 snapshot does: a
-        # replacement on the same node restores it from there (runtime/t1_repair.py), if T1 is on;
-        # with peer copies, the next node's copy does when the node is lost (runtime/peer_copy.py).
-        refused += [str(name) for name in strategies if name in REPLICA_STRATEGIES and name not in t1_in_place]
+    # Pure FSDP (replicate 1): no other replica holds a lost rank's shard. Its node's T1 snapshot does:
+    # a replacement on the same node restores it from there (runtime/t1_repair.py), if T1 is on; with
+    # peer copies, the next node's copy does when the node is lost (runtime/peer_copy.py).
+    refused = [str(name) for name in strategies  # validated names (config/model.py)
+               if mesh_refusal(StrategyName(name), replicate, t1_snapshots, peer_copies)]
     if refused:
-        usable = SHARDED_STRATEGIES if replicate > 1 else (StrategyName.RETRY, *t1_in_place)
+        usable = usable_strategies(replicate, t1_snapshots, peer_copies)
         allowed = ", ".join(str(name) for name in (*usable, StrategyName.JOB_RESTART, StrategyName.EXIT))
         needs_t1 = replicate == 1 and not t1_snapshots and StrategyName.RECOVER_IN_PLACE in refused
         why = " (recover-in-place needs T1 snapshots: checkpoint.snapshot_interval >= 1 or auto)" if needs_t1 else ""

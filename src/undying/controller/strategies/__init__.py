@@ -178,4 +178,5 @@ def _context(job: JobCore, lost_ranks: set[int], excluded: frozenset[StrategyNam
                            frozenset(lost_ranks), job.retries.get(step, 0), frozenset(excluded),
                            world_size=len(membership.members),
                            lost_nodes=frozenset(node for node in lost_nodes if not membership.node_alive(node)),
-                           survivors_restoring=frozenset(restoring))
+                           survivors_restoring=frozenset(restoring), mesh_shard=membership.mesh_shard,
+                           mesh_peer_copies=membership.mesh_peer_copies)

@@ -21,6 +21,7 @@ from undying.controller.recovery import ActiveRecovery
 from undying.events import Event
 from undying.faults import Fault
 from undying.protocol import Plan, PlanAction, RecoverRequest
+from undying.sharded_support import mesh_refusal
 from undying.strategy_names import StrategyName
 
 if TYPE_CHECKING:
@@ -42,9 +43,20 @@ class RecoveryContext:
     # Survivors still loading the job's state at the start of a generation hold no committed step
     # a replica could be repaired from: only a job restart (from storage or T1) is correct then.
     survivors_restoring: frozenset[int] = frozenset()
+    # A sharded job's mesh, as its ranks report it: ranks per replica (0: data parallel or not heard
+    # yet) and whether a one-replica mesh's T1 snapshots are copied to the next node.
+    mesh_shard: int = 0
+    mesh_peer_copies: bool = False
 
     def survivors(self) -> int:
         return (self.world_size or self.spec.world_size) - len(self.lost_ranks)
+
+    def mesh_refusal(self, strategy: StrategyName) -> str | None:
+        """Why the job's sharded mesh cannot serve ``strategy`` (None: it can, or the job is data parallel)."""
+        if not self.mesh_shard:
+            return None
+        replicate = (self.world_size or self.spec.world_size) // self.mesh_shard
+        return mesh_refusal(strategy, replicate, self.spec.checkpoint.snapshot_interval != 0, self.mesh_peer_copies)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ class Dump(ProcessRecovery):
     def applies(self, fault: Fault, context: RecoveryContext) -> str | None:
         if context.survivors() * 2 <= context.spec.world_size:
             return "no more than half of the ranks are healthy"
-        return within_budget(context)
+        return context.mesh_refusal(self.name) or within_budget(context)
 
     def gather_newcomers(self, job: JobCore, recovery: ActiveRecovery, lost: set[int], now: float,
                          excluded: frozenset[StrategyName]) -> None:

@@ -35,7 +35,7 @@ class Elastic(ProcessRecovery):
         nodes_left = len(context.alive_nodes)
         if nodes_left < context.spec.fewest_nodes:
             return f"{nodes_left} node(s) left, below min_nodes ({context.spec.fewest_nodes})"
-        return within_budget(context)
+        return context.mesh_refusal(self.name) or within_budget(context)
 
     def while_running(self, job: JobCore, now: float) -> None:
         """While the job trains shrunk: bring back the ranks of a dropped node whose agent returned."""

@@ -206,7 +206,7 @@ class RecoverInPlace(ProcessRecovery):
             return "the failed rank's node is not alive"
         if context.survivors() < 1:
             return "no healthy replica holds the state"
-        return within_budget(context)
+        return context.mesh_refusal(self.name) or within_budget(context)
 
 
 class Recover(ProcessRecovery):
@@ -223,4 +223,4 @@ class Recover(ProcessRecovery):
             return off
         if context.survivors() < 1:
             return "no healthy replica holds the state"
-        return within_budget(context)
+        return context.mesh_refusal(self.name) or within_budget(context)
