@@ -4,7 +4,9 @@ The controller builds a ``Fault`` when it detects one (in the controller process
 console, the event log (``fault_detected``'s ``description``) and the report all describe
 a fault with ``describe_fault``, so the three always say the same thing. A worker that
 raised is described with its exception's line (``exception_line``: read from the tail of
-its log by its agent, or sent by the worker itself when ``retry`` kept its process).
+its log by its agent, or sent by the worker itself when ``retry`` kept its process). A worker
+whose recovery undying's own repair refused exits with ``protocol.WORKER_EXIT_REPAIR_REFUSED``; its
+fault says so (``Fault.repair_refused``), for the crash-loop guard and for a person.
 """
 
 from __future__ import annotations
@@ -58,11 +60,14 @@ def exception_line(lines: list[str]) -> str:
 
 
 def describe_fault(reason: str, rank: int | None = None, node: int | None = None, exitcode: int | None = None,
-                   signal: str | None = None, detail: str = "", planned: bool = False, error: str = "") -> str:
+                   signal: str | None = None, detail: str = "", planned: bool = False, error: str = "",
+                   repair_refused: bool = False) -> str:
     """One line for a person: where the fault is and what it was (with the exception, if one was raised)."""
     where = f"rank {rank}" if rank is not None else f"node {node}"
     raised = f": {error}" if error else ""
     if reason == FaultReason.WORKER_EXIT:
+        if repair_refused:
+            return f"{where} exited (repair refused){raised}"
         how = f"killed by {signal}" if signal else f"exit code {exitcode}"
         return f"{where} exited ({how}){raised}"
     if reason == FaultReason.AGENT_LOST:
@@ -96,7 +101,10 @@ class Fault:
     planned: bool = False  # announced by the node itself (a planned leave), not discovered
     error: str = ""  # the exception's line, when the worker raised (``exception_line``)
     log_tail: tuple[str, ...] = ()  # the last lines of the failing rank's output, when known
+    # The worker exited because undying's repair refused (``protocol.WORKER_EXIT_REPAIR_REFUSED``): the
+    # strategy could not help; not the script failing again, whatever its ``error`` says.
+    repair_refused: bool = False
 
     def describe(self) -> str:
         return describe_fault(self.reason, self.rank, self.node, self.exitcode, self.signal, self.detail,
-                              self.planned, self.error)
+                              self.planned, self.error, self.repair_refused)

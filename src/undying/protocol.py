@@ -169,6 +169,14 @@ class HelloReply(Message):
     node: int = -1
 
 
+# The exit status of a worker whose recovery undying's own repair refused (runtime/process_exit.py,
+# ``repair_refusal_exits``): no replica, T1 snapshot or peer copy holds a lost shard, so the strategy
+# tried cannot help; the script did not fail. It travels as ``WorkerStatus.exitcode``, and the controller
+# decodes it into ``Fault.repair_refused``. Python gives a script no such status by itself (1: an
+# uncaught exception, 2: a usage error, 120: a failed flush; a signal is a negative return code).
+WORKER_EXIT_REPAIR_REFUSED = 86
+
+
 @dataclass
 class WorkerStatus(Message):
     rank: int

@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import STEPS, JobRun, assert_ends_bitwise, run_job
 from undying import events as ev
+from undying.protocol import WORKER_EXIT_REPAIR_REFUSED
 
 pytestmark = pytest.mark.faults
 
@@ -84,8 +85,10 @@ def test_pure_fsdp_rolls_every_rank_back_to_the_newest_common_t1_step(fsdp_refer
 def test_pure_fsdp_without_a_t1_snapshot_of_the_lost_shard_falls_back_to_a_job_restart(fsdp_reference: JobRun,
                                                                                        tmp_path) -> None:
     """No snapshot before step 50, no checkpoint before step 100: when rank 2 dies at step 15 nothing
-    holds its shard. The repair is refused on every rank (shard lost), the chain goes on to a job
-    restart, which finds nothing to restore and trains from step 0: the same parameters at the end."""
+    holds its shard. The repair is refused on every rank (shard lost): each exits with the refusal's
+    exit status, which the controller reads as a refused repair (not the script failing); the chain
+    goes on to a job restart, which finds nothing to restore and trains from step 0: the same
+    parameters at the end."""
     run = run_job(tmp_path, [*IN_PLACE, "--checkpoint-interval", "100", "--set", "checkpoint.snapshot_interval=50",
                              "--inject", "kill:rank=2:step=15"], script_args=PURE_FSDP)
     assert run.returncode == 0, run.output + run.logs()
@@ -94,6 +97,10 @@ def test_pure_fsdp_without_a_t1_snapshot_of_the_lost_shard_falls_back_to_a_job_r
     assert not run.kinds(ev.T1_ROLLBACK) and not run.kinds(ev.STATE_RECEIVED)
     logs = [log.read_text() for log in (run.run_dir / "logs").glob("rank*.log")]
     assert any("ShardLost" in log and "no step of T1 or of its peer copies" in log for log in logs), run.logs()
+    refused = [e for e in run.kinds(ev.FAULT_DETECTED) if e.details["repair_refused"]]
+    assert refused and {e.details["exitcode"] for e in refused} == {WORKER_EXIT_REPAIR_REFUSED}, \
+        run.kinds(ev.FAULT_DETECTED)
+    assert "(repair refused): undying.runtime.sharded.ShardLost" in refused[0].details["description"]
 
 
 NODE_LOSSES = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 from tests.unit.job_harness import check_in_together
 from undying import events as ev
 from undying.controller.crash_loop import CrashLoop
 from undying.controller.state import JobState
 from undying.faults import Fault, FaultReason, exception_line
 from undying.log_tail import exception_tail, read_tail
-from undying.protocol import OrderKind, Phase, PlanAction, RecoverRequest, WorkerState, WorkerStatus
+from undying.protocol import (
+    WORKER_EXIT_REPAIR_REFUSED,
+    OrderKind,
+    Phase,
+    PlanAction,
+    RecoverRequest,
+    WorkerState,
+    WorkerStatus,
+)
 
 TRACEBACK = ["step 0 loss 4.2",
              "Traceback (most recent call last):",
@@ -81,16 +93,80 @@ def test_the_guard_counts_recoveries_without_progress_and_repeated_exceptions():
     assert guard.root_cause() is boom
 
 
+LOST = "undying.runtime.sharded.ShardLost: no replica holds the shard of group rank(s) [2]"
+
+
 def test_a_refused_repair_that_comes_back_is_left_to_the_chain_and_to_the_limit():
-    """No replica holds a lost shard: every repair attempt raises ShardLost at the same step until the
-    chain reaches a job restart; that is no script bug, so only crash_loop_limit can stop it."""
+    """No replica holds a lost shard: every repair attempt ends the worker with the refusal's exit
+    status at the same step until the chain reaches a job restart; that is no script bug, so only
+    crash_loop_limit can stop it, and the loop's cause is the fault that started it."""
     guard = CrashLoop(limit=3)
-    lost = "undying.runtime.sharded.ShardLost: no replica holds the shard of group rank(s) [2]"
-    assert guard.verdict(Fault(FaultReason.WORKER_EXIT, rank=2, step=15, signal="SIGKILL")) is None
-    for _ in range(2):  # generations 2 and 3
-        assert guard.verdict(Fault(FaultReason.WORKER_EXIT, rank=3, step=15, exitcode=1, error=lost)) is None
-    assert guard.verdict(Fault(FaultReason.WORKER_EXIT, rank=3, step=15, exitcode=1, error=lost)) == \
-        "3 recoveries in a row committed no step (crash_loop_limit 3)"
+    killed = Fault(FaultReason.WORKER_EXIT, rank=2, step=15, signal="SIGKILL")
+    assert guard.verdict(killed) is None
+    refused = [Fault(FaultReason.WORKER_EXIT, rank=3, step=15, exitcode=WORKER_EXIT_REPAIR_REFUSED, error=LOST,
+                     repair_refused=True) for _ in range(3)]
+    for fault in refused[:2]:  # generations 2 and 3
+        assert guard.verdict(fault) is None
+    assert guard.verdict(refused[2]) == "3 recoveries in a row committed no step (crash_loop_limit 3)"
+    assert guard.root_cause() is killed  # a refusal is undying's exception, never the script's
+
+
+def test_only_the_workers_flag_makes_a_refusal_the_same_text_without_it_is_the_same_exception_again():
+    """The refusal is told by the worker's exit status, not read from the text: a script that raises
+    an exception of the same line at the same step twice is a crash loop."""
+    guard = CrashLoop(limit=3)
+    guard.verdict(Fault(FaultReason.WORKER_EXIT, rank=3, step=15, exitcode=WORKER_EXIT_REPAIR_REFUSED, error=LOST,
+                        repair_refused=True))
+    raised = Fault(FaultReason.WORKER_EXIT, rank=3, step=15, exitcode=1, error=LOST)
+    assert guard.verdict(raised) is None  # an earlier refusal is not the same exception either
+    assert guard.verdict(Fault(FaultReason.WORKER_EXIT, rank=3, step=15, exitcode=1, error=LOST)) == \
+        "the same exception again at step 15"
+    assert guard.root_cause() is raised
+
+
+REFUSING_WORKER = """
+from undying.runtime.process_exit import repair_refusal_exits
+from undying.runtime.sharded import ShardLost
+
+def repair():
+    raise ShardLost("no replica holds the shard of group rank(s) [2]")
+
+with repair_refusal_exits():
+    repair()
+print("not reached")
+"""
+
+
+def test_a_refusal_travels_as_the_workers_exit_status_to_a_typed_fault(make_job, tmp_path):
+    """A worker process whose repair raises ShardLost exits with WORKER_EXIT_REPAIR_REFUSED, its
+    log naming the exception; its agent's report of that exit, through JSON, becomes a fault flagged
+    as a refusal, and the same refusal at the same step after a job restart is not a crash loop."""
+    log = tmp_path / "rank2.log"
+    with log.open("w") as output:
+        done = subprocess.run([sys.executable, "-c", REFUSING_WORKER], stdout=output, stderr=subprocess.STDOUT,
+                              timeout=120)
+    assert done.returncode == WORKER_EXIT_REPAIR_REFUSED, log.read_text()
+    tail, error = read_tail(log)  # as the agent reads it (agent/workers.py)
+    assert error == LOST and "not reached" not in tail
+
+    job = make_job(nnodes=2, nproc_per_node=2)
+    job.start_running()
+    for generation in (1, 2):
+        status = WorkerStatus(2, 0, 2002, generation, WorkerState.EXITED, done.returncode, None, error=error,
+                              log_tail=tail)
+        running = WorkerStatus(3, 1, 2003, generation, WorkerState.RUNNING)
+        job.poll(1, generation, [json.loads(json.dumps(status.to_dict())), running.to_dict()])
+        assert [job.next_order(node, generation).kind for node in (1, 0)] == [OrderKind.STOP] * 2
+        for node in (0, 1):
+            job.poll(node, generation, job.statuses(node, generation, WorkerState.EXITED, 1))
+        starts = [job.next_order(node, generation, job.statuses(node, generation, WorkerState.EXITED, 1))
+                  for node in (0, 1)]
+        assert [order.kind for order in starts] == [OrderKind.START] * 2  # a job restart, not a crash loop
+    assert job.controller.state is JobState.RUNNING and job.events(ev.CRASH_LOOP) == []
+    faults = job.events(ev.FAULT_DETECTED)
+    assert [(fault.rank, fault.details["repair_refused"], fault.details["exitcode"]) for fault in faults] == \
+        [(2, True, WORKER_EXIT_REPAIR_REFUSED)] * 2
+    assert faults[0].details["description"] == f"rank 2 exited (repair refused): {LOST}"
 
 
 def test_a_committed_step_ends_the_streak_and_a_planned_leave_is_no_part_of_it():

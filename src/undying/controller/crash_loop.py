@@ -4,7 +4,8 @@ Runs in the controller, inside the job machine. A bug in the script (an exceptio
 step, a refused call, an import that fails) is not a fault any recovery can cure: each recovery
 replays the same step and meets the same error. The job stops (exit 1) once the recoveries are
 seen to bring nothing: after ``crash_loop_limit`` recoveries in a row with no step committed in
-between, or at once when the same exception comes back at the same step. The cause it reports
+between, or at once when the same exception comes back at the same step (never a refused repair:
+a worker that exited because nothing holds a lost shard, ``Fault.repair_refused``). The cause it reports
 (event ``crash_loop``, the console, the job's end message and the report) is the first fault of
 the run of faults that made no progress: its rank, its exception or signal, and the last lines
 of that rank's output.
@@ -21,11 +22,6 @@ from typing import Any
 
 from undying.faults import Fault, FaultReason
 from undying.protocol import Phase
-
-# Exceptions undying's own repair raises where it cannot repair (no replica holds a lost shard): they
-# come back at the same step because the chain tried a strategy that cannot help, never because the
-# script failed again; the chain goes on to its next strategy, and only the recoveries count.
-REPAIR_REFUSALS = ("undying.runtime.sharded.ShardLost:",)
 
 # The phases of a rank that trains: its first beat in one of them tells the step the generation resumed at.
 TRAINING_PHASES = frozenset({Phase.COMPUTING, Phase.SYNCING, Phase.UPDATING, Phase.UPDATED})
@@ -62,8 +58,12 @@ class CrashLoop:
             return None
         if any(earlier is fault for earlier in self.streak):
             return None  # the same fault decided again, after a recovery of it failed
-        repeated = bool(fault.error) and not fault.error.startswith(REPAIR_REFUSALS) and any(earlier.error == fault.error and earlier.step == fault.step
-                                             for earlier in self.streak)
+        # A refused repair (``Fault.repair_refused``: nothing holds a lost shard) comes back at the same
+        # step because the chain tried a strategy that cannot help, not because the script failed again:
+        # the chain goes on to its next strategy, and only the recoveries count.
+        repeated = bool(fault.error) and not fault.repair_refused and any(
+            earlier.error == fault.error and earlier.step == fault.step and not earlier.repair_refused
+            for earlier in self.streak)
         self.streak.append(fault)
         if repeated:
             return f"the same exception again at step {fault.step}"
@@ -73,9 +73,10 @@ class CrashLoop:
         return None
 
     def root_cause(self) -> Fault:
-        """The fault that started the loop: the first that raised, else the first."""
+        """The fault that started the loop: the first whose script raised (a refused repair is undying's
+        own exception, not the script's), else the first."""
         assert self.streak
-        return next((fault for fault in self.streak if fault.error), self.streak[0])
+        return next((fault for fault in self.streak if fault.error and not fault.repair_refused), self.streak[0])
 
 
 def root_cause_details(root: Fault, why: str, recoveries: int) -> dict[str, Any]:

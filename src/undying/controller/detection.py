@@ -19,7 +19,7 @@ from undying import events as ev
 from undying.controller.deadlines import Deadlines
 from undying.controller.membership import Membership, NodeRecord, RankRecord
 from undying.faults import Fault, FaultReason
-from undying.protocol import Heartbeat, Phase, WorkerState, WorkerStatus
+from undying.protocol import WORKER_EXIT_REPAIR_REFUSED, Heartbeat, Phase, WorkerState, WorkerStatus
 
 Emit = Callable[..., None]
 # A gap this long between two scans means the controller itself did not run: silences are counted
@@ -215,7 +215,8 @@ class FaultDetector:
     def _rank_fault(self, record: RankRecord, now: float, generation: int) -> Fault | None:
         if record.exitcode not in (None, 0):
             return Fault(FaultReason.WORKER_EXIT, exitcode=record.exitcode, signal=record.signal, error=record.error,
-                         log_tail=record.log_tail, **_where(record))
+                         log_tail=record.log_tail, repair_refused=record.exitcode == WORKER_EXIT_REPAIR_REFUSED,
+                         **_where(record))
         if record.exitcode == 0:
             return None
         if record.done:

@@ -3,7 +3,10 @@
 Runs in the worker, installed once by ``undying.init()`` (runtime/core.py). A group abandoned
 after a fault may still be torn down by a reaper thread (runtime/reapers.py) stuck on a dead peer,
 and an uncaught exception would otherwise wait for the interpreter's final garbage collection over
-torch's objects: both delay (or crash) the exit the agent and controller are waiting to see.
+torch's objects: both delay (or crash) the exit the agent and controller are waiting to see. A
+recovery that undying's own repair refuses (``ShardLost``: nothing holds a lost shard) ends the
+process with its own exit status, ``protocol.WORKER_EXIT_REPAIR_REFUSED``, so the controller knows
+the chain tried a strategy that cannot help, not that the script failed.
 """
 
 from __future__ import annotations
@@ -12,11 +15,15 @@ import atexit
 import gc
 import os
 import sys
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
+from undying.protocol import WORKER_EXIT_REPAIR_REFUSED
 from undying.runtime.reapers import reapers_alive
+from undying.runtime.sharded import ShardLost
 
 
 def install_exit_hooks(finished: Callable[[], bool]) -> None:
@@ -47,3 +54,20 @@ def _excepthook_then_freeze(previous: Any) -> Any:
         gc.freeze()
 
     return hook
+
+
+@contextmanager
+def repair_refusal_exits() -> Iterator[None]:
+    """Around a recovery: a ``ShardLost`` raised by the repair ends the process with the exit status
+    ``WORKER_EXIT_REPAIR_REFUSED``, which its agent reports and the controller reads as a refusal
+    (``Fault.repair_refused``). Its traceback is printed first, as an uncaught exception's would be:
+    the agent reads the exception's line from the log for the fault's description. SystemExit, not
+    ``os._exit``: the script's ``finally`` blocks and the atexit hooks run as after any exception,
+    and no ``except Exception`` of the script takes a refusal for its own error."""
+    try:
+        yield
+    except ShardLost as refusal:
+        traceback.print_exception(refusal)
+        sys.stderr.flush()
+        gc.freeze()  # as the excepthook does: no final garbage collection over torch's objects
+        raise SystemExit(WORKER_EXIT_REPAIR_REFUSED) from refusal

@@ -6,7 +6,8 @@ write the dying checkpoint if the plan says ``dump`` (runtime/dying_checkpoint.p
 failover), enter the plan's generation and build its group, then repair: a replacement whose node's
 T1 snapshot holds the plan's step loads it (runtime/t1_repair.py), the source replica sends its
 state to the other receivers (runtime/state_transfer.py), and every other rank rolls back its step
-in flight. A plan whose regroup or repair fails is followed by the next plan.
+in flight. A plan whose regroup or repair fails is followed by the next plan; a repair that nothing
+can carry out (``ShardLost``) ends the process with the refusal's exit status (runtime/process_exit.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from undying.runtime.dying_checkpoint import DyingCheckpoint
 from undying.runtime.injection_points import DUMP, RECOVERY, InjectionPoints
 from undying.runtime.membership import Membership
 from undying.runtime.pg import CollectiveError, GenerationGroup
+from undying.runtime.process_exit import repair_refusal_exits
 from undying.runtime.reporter import Reporter
 from undying.runtime.rng import restore_rng
 from undying.runtime.rng_mirror import MIRROR_TIMEOUT_S, RngMirror
@@ -51,7 +53,8 @@ class RecoveryClient:
     rolled back), with that step marked as the commit boundary; in a pure-FSDP job whose receiver's
     T1 lacks that step, every rank holds instead the newest step all of them hold in T1. Not
     guaranteed: that it returns at all; a plan that gives this process no part (``exit``, or after
-    a dump) parks it until its agent stops it.
+    a dump) parks it until its agent stops it, and a repair nothing can carry out (``ShardLost``) ends it
+    with the exit status ``WORKER_EXIT_REPAIR_REFUSED``.
     """
 
     def __init__(self, spec: JobSpec, membership: Membership, state: TrainingState, reporter: Reporter,
@@ -72,6 +75,10 @@ class RecoveryClient:
     def recover(self, reason: str, raised: tuple[list[str], str] | None = None) -> None:
         """Leave the failed step, follow the controller's plan, and return at a committed step.
         ``raised``: this rank's own exception that failed the step (told to the controller)."""
+        with repair_refusal_exits():  # ShardLost: the chain goes on to its next strategy
+            self._recover(reason, raised)
+
+    def _recover(self, reason: str, raised: tuple[list[str], str] | None) -> None:
         started = time.monotonic()
         self.checkpoints.settle()  # a repair rewrites the state an overlapped snapshot may still be copying
         self.reporter.update(phase=Phase.RECOVERING)
@@ -109,7 +116,8 @@ class RecoveryClient:
         wait for the plan and the rebuild from this join, which come before the script's model is built.
         If the groups cannot be built, ``recover`` follows the next plan as usual."""
         started = time.monotonic()
-        plan, planned = self._follow_next_plan("joining as a replacement rank")
+        with repair_refusal_exits():  # a dump this process cannot complete
+            plan, planned = self._follow_next_plan("joining as a replacement rank")
         try:
             self.injections.at_point(RECOVERY, plan.target_step)
             self.membership.build_group()

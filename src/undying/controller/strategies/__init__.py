@@ -121,7 +121,8 @@ def handle_fault(job: JobCore, fault: Fault, now: float) -> None:
     job.detector.step_failures.clear()
     job.emit(ev.FAULT_DETECTED, node=fault.node, rank=fault.rank, step=fault.step, generation=job.generation,
              details={"reason": fault.reason, "exitcode": fault.exitcode, "signal": fault.signal,
-                      "description": fault.describe(), "detail": fault.detail})
+                      "description": fault.describe(), "detail": fault.detail,
+                      "repair_refused": fault.repair_refused})
     act_on(job, fault, now)
 
 
