@@ -68,6 +68,11 @@ def repair_refusal_exits() -> Iterator[None]:
         yield
     except ShardLost as refusal:
         traceback.print_exception(refusal)
+        sys.stdout.flush()
         sys.stderr.flush()
+        if reapers_alive():
+            # A teardown under a reaper stuck on the dropped group may crash the process, and its
+            # status would then no longer say refusal (see _exit_without_teardown_if_reaping).
+            os._exit(WORKER_EXIT_REPAIR_REFUSED)
         gc.freeze()  # as the excepthook does: no final garbage collection over torch's objects
         raise SystemExit(WORKER_EXIT_REPAIR_REFUSED) from refusal
