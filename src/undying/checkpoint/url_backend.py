@@ -79,6 +79,20 @@ class UrlBackend:
     whose listings lag its writes may not show the newest checkpoint yet.
     """
 
+    kernel_writeback = False
+
+    def dcp_writer(self, directory: Location, thread_count: int) -> Any:
+        """DCP's fsspec writer, without ``sync_files``: an fsspec file without a descriptor makes DCP
+        fall back to ``os.sync()`` of the whole machine; the store makes a closed file durable."""
+        from undying._torch_compat.dcp import FsspecWriter
+
+        return FsspecWriter(directory, sync_files=False, single_file_per_rank=True, thread_count=thread_count)
+
+    def dcp_reader(self, directory: Location) -> Any:
+        from undying.checkpoint.dcp_reader import ParallelFsspecReader
+
+        return ParallelFsspecReader(directory)
+
     def make_root(self, root: PathLike) -> None:
         _makedirs(UrlDir.open(root))
 
