@@ -4,7 +4,7 @@ that a load rebuilds whole handed over as ``torch.load`` returned it instead of 
 Runs in the worker: rank 0 reading the shared shard at a restore (checkpoint/dcp_format.py), every
 rank of a sharded job reading its own shards (checkpoint/dcp_sharded.py); a local directory and one
 behind an fsspec URL alike, each backend naming its reader (``StorageBackend.dcp_reader``). The files were verified against the manifest before any of this parses
-them (checkpoint/storage.py).
+them (checkpoint/committed.py).
 
 DCP's ``FileSystemReader`` reads the files one after the other, each record in plan order, loads
 every tensor into fresh memory and copies it into the target the planner resolves: for a restore

@@ -1,7 +1,7 @@
 """T2 storage on a local (or shared) filesystem: staging directories committed by one rename.
 
 Runs in the worker processes (the persister thread, the dying-checkpoint writer and the
-restore), as the ``StorageBackend`` that storage.py uses for a checkpoint root given as a path.
+restore), as the ``StorageBackend`` that a ``CheckpointRoot`` (root.py) given as a path is bound to.
 """
 
 from __future__ import annotations

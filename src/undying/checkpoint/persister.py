@@ -203,7 +203,7 @@ class Persister:
         # The manifest's world size is the number of replicas that wrote it (fewer than the job's after
         # an elastic shrink): only then does a restart of the same size restore each rank's RNG.
         committed = self.root.commit(staging, step=job.step, generation=job.generation,
-                           world_size=len(job.members), files=files,
-                           meta={**self.commit_meta, "members": list(job.members)}, keep=self.keep)
+                                     world_size=len(job.members), files=files,
+                                     meta={**self.commit_meta, "members": list(job.members)}, keep=self.keep)
         return PersistResult(job.step, job.generation, True, str(committed.path), time.monotonic() - started,
                              sum(record.size for record in files))

@@ -2,7 +2,7 @@
 place, committed by the manifest.
 
 Runs in the worker processes (the persister thread, the dying-checkpoint writer and the
-restore), as the ``StorageBackend`` that storage.py uses for a checkpoint root given as a URL.
+restore), as the ``StorageBackend`` that a ``CheckpointRoot`` (root.py) given as a URL is bound to.
 """
 
 from __future__ import annotations
