@@ -4,7 +4,8 @@ Runs in the worker processes. ``snapshot`` is tier T1: each rank's state in node
 memory, written at a step boundary (``snapshot_slot``: one slot's file; ``state_tree``: the
 state split into skeleton and tensors). ``storage`` is tier T2: files on a filesystem or behind
 an fsspec URL, committed atomically by a checksummed manifest (``manifest``) and verified before
-they are loaded, through a ``StorageBackend`` (``backend``; ``local_backend``, ``url_backend``);
+they are loaded; a ``CheckpointRoot`` (``root``) is one root bound once to its ``StorageBackend``
+(``backend``; ``local_backend``, ``url_backend``);
 ``dcp_format`` lays the shared shard out as a torch.distributed.checkpoint directory;
 ``persister`` moves T1 snapshots to T2 on a background thread.
 """
@@ -12,6 +13,7 @@ they are loaded, through a ``StorageBackend`` (``backend``; ``local_backend``, `
 from undying.checkpoint.storage import (
     CHECKSUM_ALGO,
     MANIFEST_NAME,
+    CheckpointRoot,
     CommittedCheckpoint,
     CorruptCheckpoint,
     FileRecord,
@@ -37,6 +39,7 @@ from undying.checkpoint.storage import (
 __all__ = [
     "CHECKSUM_ALGO",
     "MANIFEST_NAME",
+    "CheckpointRoot",
     "CommittedCheckpoint",
     "CorruptCheckpoint",
     "FileRecord",

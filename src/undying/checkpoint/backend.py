@@ -1,10 +1,11 @@
 """The storage backend interface of T2: what the commit protocol asks of one kind of checkpoint root.
 
-Runs in the worker processes. ``storage.py`` holds the protocol (manifests, verification, which
-checkpoint is the newest) and picks a backend once per call from the root or directory it is
-given: ``LocalBackend`` (local_backend.py) for a path, ``UrlBackend`` (url_backend.py) for an
-fsspec URL. A backend holds its root's layout and filesystem calls, and nothing about manifests
-beyond where the manifest file lives.
+Runs in the worker processes. A ``CheckpointRoot`` (root.py) holds the protocol (manifests,
+verification, which checkpoint is the newest) and the backend chosen once, when the root is built
+(backends.py): ``LocalBackend`` (local_backend.py) for a path, ``UrlBackend`` (url_backend.py) for
+an fsspec URL. A backend holds its root's layout, its filesystem calls and the DCP storage
+writer and reader for it, and nothing about manifests beyond where the manifest file lives.
+``is_url`` is asked only here, in backends.py and in the backends themselves.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeAlias, TypeGuard
+from typing import Any, Protocol, TypeAlias, TypeGuard
 
 PathLike: TypeAlias = str | os.PathLike[str]
 # A checkpoint root or directory: a local ``Path``, or an fsspec URL (a ``str`` with ``://``).
@@ -61,6 +62,18 @@ class StorageBackend(Protocol):
     a file ``name`` is a plain name inside one, already checked by the caller.
     Every method may raise ``OSError`` for a filesystem that fails.
     """
+
+    # Whether written files have descriptors whose dirty pages the kernel can be asked to start
+    # writing back early (checkpoint/dcp_writer.py): a local file has, an fsspec object has not.
+    kernel_writeback: bool
+
+    def dcp_writer(self, directory: Location, thread_count: int) -> Any:
+        """DCP's storage writer into ``directory``: one file per rank and writer thread, durable
+        as far as this kind of root makes files durable."""
+
+    def dcp_reader(self, directory: Location) -> Any:
+        """DCP's storage reader of the verified checkpoint ``directory``, its data files read on
+        threads (checkpoint/dcp_reader.py)."""
 
     def make_root(self, root: PathLike) -> None:
         """Create the root if the filesystem needs it; a no-op where directories are implicit."""

@@ -1,7 +1,8 @@
 """Which ``StorageBackend`` serves a checkpoint location: one local backend, one URL backend.
 
-Runs in the worker processes, the only ones that read or write checkpoints. Both backends are
-stateless, so one of each serves every root of the process.
+Runs in the worker processes, the only ones that read or write checkpoints. A ``CheckpointRoot``
+(root.py) asks once, when it is built, and holds the answer. Both backends are stateless, so one
+of each serves every root of the process.
 """
 
 from __future__ import annotations

@@ -1,24 +1,21 @@
-"""Committed T2 checkpoints found and read: listed newest first, verified, loaded file by file.
+"""Committed T2 checkpoints read: verified and loaded file by file.
 
-Runs in the worker processes (a restore, a repair from T2, the persister's pruning). A directory
-is a checkpoint once its manifest parses (storage.py writes it last); nothing is handed to
-``torch.load`` before its size and CRC-32 match the manifest. The filesystem calls are the
-location's ``StorageBackend`` (backends.py).
+Runs in the worker processes (a restore, a repair from T2). A directory is a checkpoint once its
+manifest parses (the commit writes it last); nothing is handed to ``torch.load`` before its size
+and CRC-32 match the manifest. A ``CommittedCheckpoint`` is listed by its root (root.py) and
+carries that root's ``StorageBackend``, which serves every read of it.
 """
 
 from __future__ import annotations
 
 import functools
 import io
-import logging
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from undying.checkpoint.backend import Location, PathLike, StorageBackend, StoredManifest, member_location
-from undying.checkpoint.backends import backend_for
+from undying.checkpoint.backend import Location, StorageBackend, StoredManifest, member_location
 from undying.checkpoint.manifest import (
     CorruptCheckpoint,
     FileRecord,
@@ -29,40 +26,33 @@ from undying.checkpoint.manifest import (
 )
 from undying.checkpoint.side_by_side import side_by_side
 
-logger = logging.getLogger(__name__)
 VERIFY_THREADS = 4  # files of one checkpoint checked at once
 
 
 @dataclass
 class CommittedCheckpoint:
-    """A directory whose manifest parsed. Not yet verified: call ``verify`` or use
-    ``latest_verified``; ``load_object`` checks each file it reads either way."""
+    """A directory whose manifest parsed, and the backend of the root that listed it. Not yet
+    verified: call ``verify`` or use ``latest_verified``; ``load_object`` checks each file it reads
+    either way."""
 
     path: Location  # a Path under a local root, the directory's URL under a URL root
     manifest: Manifest = field(repr=False)
+    backend: StorageBackend = field(repr=False, compare=False)
 
     @property
     def step(self) -> int:
         return self.manifest.step
 
 
-def list_committed(root: PathLike) -> list[CommittedCheckpoint]:
-    """Committed checkpoints whose manifest parses, newest (highest step) first.
-
-    Files are not verified here; a directory with a missing or bad manifest is left out.
-    """
-    return [ckpt for _, _, ckpt, _ in _scan(root) if ckpt is not None]
-
-
 def verify(ckpt: CommittedCheckpoint) -> None:
     """Check every listed file: inside the directory, present, right size, right checksum. Up to
     ``VERIFY_THREADS`` files are read at once; a failure is that of the first bad file in manifest order."""
-    _verify_records(ckpt.path, ckpt.manifest.files)
+    _verify_records(ckpt.backend, ckpt.path, ckpt.manifest.files)
 
 
 def verify_files(ckpt: CommittedCheckpoint, names: list[str]) -> None:
     """``verify`` restricted to ``names`` (which must be listed in the manifest)."""
-    _verify_records(ckpt.path, [ckpt.manifest.record(name) for name in names])
+    _verify_records(ckpt.backend, ckpt.path, [ckpt.manifest.record(name) for name in names])
 
 
 def load_object(ckpt: CommittedCheckpoint, name: str, map_location: str | torch.device = "cpu") -> Any:
@@ -72,7 +62,7 @@ def load_object(ckpt: CommittedCheckpoint, name: str, map_location: str | torch.
     if the manifest lists no such file.
     """
     record = ckpt.manifest.record(name)
-    backend = backend_for(ckpt.path)
+    backend = ckpt.backend
     backend.check_member(ckpt.path, name)
     where = member_location(ckpt.path, name)
     try:
@@ -92,45 +82,7 @@ def load_object(ckpt: CommittedCheckpoint, name: str, map_location: str | torch.
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
 
 
-def latest_verified(
-    root: PathLike, on_corrupt: Callable[[Location, str], None] | None = None, older_than: int | None = None
-) -> CommittedCheckpoint | None:
-    """The newest checkpoint that passes ``verify`` (with ``older_than``: the newest of a step below
-    it), or None if there is none.
-
-    Every skipped directory (bad or missing manifest, or a file that fails verification)
-    is reported to ``on_corrupt(path, reason)``, or logged as a warning without one; under a
-    URL root a directory without a manifest is not a checkpoint and is not reported.
-    Reads every file of each checkpoint it tries.
-    """
-    for location, step, ckpt, reason in _scan(root):
-        if older_than is not None and step >= older_than:
-            continue
-        if ckpt is not None:
-            try:
-                verify(ckpt)
-                return ckpt
-            except CorruptCheckpoint as exc:
-                reason = str(exc)
-        if on_corrupt is not None:
-            on_corrupt(location, reason)
-        else:
-            logger.warning("skipping corrupt checkpoint %s: %s", location, reason)
-    return None
-
-
-def _scan(root: PathLike) -> Iterator[tuple[Location, int, CommittedCheckpoint | None, str]]:
-    """Every committed-looking directory, newest first: (location, step, checkpoint or None, reason)."""
-    for stored in backend_for(root).scan(root):
-        try:
-            ckpt: CommittedCheckpoint | None = CommittedCheckpoint(stored.location, _manifest_of(stored))
-            reason = ""
-        except CorruptCheckpoint as exc:
-            ckpt, reason = None, str(exc)
-        yield stored.location, stored.step, ckpt, reason
-
-
-def _manifest_of(stored: StoredManifest) -> Manifest:
+def manifest_of(stored: StoredManifest) -> Manifest:
     """The manifest a listed directory holds, if it parses and names that directory's step (and
     generation, where the name carries one); else ``CorruptCheckpoint``."""
     where = stored.manifest_location
@@ -150,9 +102,8 @@ def _manifest_of(stored: StoredManifest) -> Manifest:
     return manifest
 
 
-def _verify_records(directory: Location, records: list[FileRecord]) -> None:
+def _verify_records(backend: StorageBackend, directory: Location, records: list[FileRecord]) -> None:
     # The reads and the CRC-32 release the GIL: files of a cold checkpoint are read side by side.
-    backend = backend_for(directory)
     side_by_side([functools.partial(_verify_record, backend, directory, record) for record in records],
                  VERIFY_THREADS, "undying-verify")
 

@@ -28,6 +28,7 @@ import torch
 from undying.checkpoint.dcp_writer import check_complete, checksummed_writer, records_of, write_threads
 from undying.checkpoint.state_tree import flatten_state, unflatten_state
 from undying.checkpoint.storage import (
+    CheckpointRoot,
     CommittedCheckpoint,
     CorruptCheckpoint,
     FileRecord,
@@ -132,8 +133,8 @@ def from_dcp(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def write_shared_shard(staging: Location, replica_state: dict[str, Any],
-                       param_names: list[list[str]]) -> list[FileRecord]:
+def write_shared_shard(staging: Location, replica_state: dict[str, Any], param_names: list[list[str]],
+                       root: CheckpointRoot | None = None) -> list[FileRecord]:
     """Save the shared shard with DCP into ``staging`` (a local directory or a URL); return the
     records of every file DCP wrote, checksummed as they were written (checkpoint/dcp_writer.py).
 
@@ -146,14 +147,15 @@ def write_shared_shard(staging: Location, replica_state: dict[str, Any],
     import torch.distributed.checkpoint as dcp
 
     state = to_dcp(replica_state, param_names)
-    writer, files = checksummed_writer(staging, write_threads(flatten_state(state)[1]))
+    root = root or CheckpointRoot.at(staging)  # a caller without a root: the staging directory's backend
+    writer, files = checksummed_writer(staging, root.backend, write_threads(flatten_state(state)[1]))
     try:
         metadata = dcp.save(state, storage_writer=writer, no_dist=True)
     except dcp.CheckpointException as error:  # a BaseException: ``except Exception`` lets it through
         raise plain_error(error) from None
     check_complete(staging, metadata)
     names = sorted({info.relative_path for info in metadata.storage_data.values()}) + [DCP_METADATA]
-    return records_of(staging, files, names)
+    return records_of(root, staging, files, names)
 
 
 def plain_error(error: Any) -> Exception:
@@ -178,7 +180,7 @@ def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False, keys: s
     Raises ``CorruptCheckpoint`` if the bytes do not match or DCP cannot read them.
     """
     from undying._torch_compat.dcp import load_without_process_group
-    from undying.checkpoint.dcp_reader import AdoptingPlanner, reader_for
+    from undying.checkpoint.dcp_reader import AdoptingPlanner
 
     names = [record.name for record in ckpt.manifest.files
              if record.name == DCP_METADATA or record.name.endswith(DCP_DATA_SUFFIX)]
@@ -186,7 +188,7 @@ def read_shared_shard(ckpt: CommittedCheckpoint, verified: bool = False, keys: s
         verify_files(ckpt, names)
     state: dict[str, Any] = {}
     try:
-        load_without_process_group(state, reader_for(ckpt.path), AdoptingPlanner(keys=keys))
+        load_without_process_group(state, ckpt.backend.dcp_reader(ckpt.path), AdoptingPlanner(keys=keys))
         return from_dcp(state)
     except Exception as error:  # noqa: BLE001 - any failure to parse verified bytes means unusable
         raise CorruptCheckpoint(f"{ckpt.path}: DCP shard unreadable ({error!r})") from error

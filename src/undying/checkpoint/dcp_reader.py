@@ -3,8 +3,8 @@ that a load rebuilds whole handed over as ``torch.load`` returned it instead of 
 
 Runs in the worker: rank 0 reading the shared shard at a restore (checkpoint/dcp_format.py), every
 rank of a sharded job reading its own shards (checkpoint/dcp_sharded.py); a local directory and one
-behind an fsspec URL alike. The files were verified against the manifest before any of this parses
-them (checkpoint/storage.py).
+behind an fsspec URL alike, each backend naming its reader (``StorageBackend.dcp_reader``). The files were verified against the manifest before any of this parses
+them (checkpoint/committed.py).
 
 DCP's ``FileSystemReader`` reads the files one after the other, each record in plan order, loads
 every tensor into fresh memory and copies it into the target the planner resolves: for a restore
@@ -44,7 +44,6 @@ from undying._torch_compat.dcp import (
     set_element,
 )
 from undying.checkpoint.side_by_side import side_by_side
-from undying.checkpoint.storage import Location, is_url
 
 READ_THREADS = 4  # data files read at once: a shared shard has one or two, a sharded checkpoint one per rank
 
@@ -108,11 +107,11 @@ class ParallelReads:
 
 
 class ParallelFileReader(ParallelReads, FileSystemReader):
-    """``FileSystemReader`` reading its data files on threads."""
+    """``FileSystemReader`` reading its data files on threads (``LocalBackend.dcp_reader``)."""
 
 
 class ParallelFsspecReader(ParallelReads, FsspecReader):
-    """DCP's fsspec reader (a URL root) reading its data files on threads."""
+    """DCP's fsspec reader reading its data files on threads (``UrlBackend.dcp_reader``)."""
 
 
 def _place(read_item: ReadItem, tensor: torch.Tensor, planner: LoadPlanner, lock: threading.Lock) -> None:
@@ -128,7 +127,3 @@ def _place(read_item: ReadItem, tensor: torch.Tensor, planner: LoadPlanner, lock
     with lock:
         planner.commit_tensor(read_item, target)
 
-
-def reader_for(location: Location) -> FileSystemReader:
-    """The storage reader of a verified DCP directory, a local one or behind a URL."""
-    return ParallelFsspecReader(location) if is_url(location) else ParallelFileReader(location)

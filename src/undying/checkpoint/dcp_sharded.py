@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from undying.checkpoint.dcp_format import DCP_DATA_SUFFIX, DCP_METADATA, plain_error
 from undying.checkpoint.dcp_writer import checksummed_writer, records_of
 from undying.checkpoint.storage import (
+    CheckpointRoot,
     CommittedCheckpoint,
     CorruptCheckpoint,
     FileRecord,
@@ -94,14 +95,16 @@ class Exchange:
         return value
 
 
-def save_sharded(staging: Location, state_dict: dict[str, Any], exchange: Exchange) -> list[FileRecord]:
+def save_sharded(staging: Location, state_dict: dict[str, Any], exchange: Exchange,
+                 root: CheckpointRoot | None = None) -> list[FileRecord]:
     """Write this rank's part of the checkpoint into ``staging`` (the coordinator also the global
     ``.metadata``); return the records of the files this rank wrote, checksummed as they were written
     (one file per rank: the ranks write in parallel already). ``state_dict`` holds DTensors for what
     is sharded (built from local shards, no collective involved)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    writer, files = checksummed_writer(staging)
+    root = root or CheckpointRoot.at(staging)  # a caller without a root: the staging directory's backend
+    writer, files = checksummed_writer(staging, root.backend)
     planner = DefaultSavePlanner()
     planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
                            is_coordinator=exchange.coordinator)
@@ -123,13 +126,12 @@ def save_sharded(staging: Location, state_dict: dict[str, Any], exchange: Exchan
         assert metadata is not None, "the coordinator planned the checkpoint"
         writer.finish(metadata=metadata, results=all_results)
         names.append(DCP_METADATA)
-    return records_of(staging, files, names)
+    return records_of(root, staging, files, names)
 
 
 def reader(ckpt: CommittedCheckpoint) -> Any:
-    from undying.checkpoint.dcp_reader import reader_for
-
-    return reader_for(ckpt.path)
+    """DCP's storage reader of ``ckpt``, from the backend of the root that listed it."""
+    return ckpt.backend.dcp_reader(ckpt.path)
 
 
 def verify_sharded(ckpt: CommittedCheckpoint) -> None:

@@ -21,10 +21,10 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
-from undying.checkpoint.backend import Location, is_url
+from undying.checkpoint.backend import Location, StorageBackend
 from undying.checkpoint.crc import crc32
-from undying.checkpoint.manifest import crc32_checksum
-from undying.checkpoint.storage import FileRecord, record_file, record_written
+from undying.checkpoint.manifest import FileRecord, crc32_checksum
+from undying.checkpoint.root import CheckpointRoot
 
 # Writer threads (and data files) per rank for a large state: two let one thread serialize and
 # checksum while the other waits in the kernel (page-cache throttling, fsync).
@@ -147,31 +147,19 @@ def write_threads(tensors: list[Any]) -> int:
     return WRITE_THREADS if nbytes >= PARALLEL_WRITE_BYTES else 1
 
 
-def checksummed_writer(staging: Location, thread_count: int = 1,
+def checksummed_writer(staging: Location, backend: StorageBackend, thread_count: int = 1,
                        writeback: bool = True) -> tuple[Any, ChecksummingFileSystem]:
-    """A DCP ``FileSystemWriter`` into ``staging`` (an ``FsspecWriter`` for a URL) whose files are
-    checksummed as they are written, and the filesystem that holds their records.
-
-    Local: each data file is fsynced once by DCP, and ``.metadata`` before its rename. URL: no
-    ``sync_files`` (an fsspec file without a descriptor makes DCP fall back to ``os.sync()`` of
-    the whole machine); behind a URL, durability is the store's once a file is closed.
-    """
-    # Imported here, not at module load: torch.distributed.checkpoint costs every worker ~1.6 s of import.
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    from undying._torch_compat.dcp import FsspecWriter
-
+    """``backend``'s DCP storage writer into ``staging`` (StorageBackend.dcp_writer: a
+    ``FileSystemWriter`` under a local root, an ``FsspecWriter`` under a URL root) whose files are
+    checksummed as they are written, and the filesystem that holds their records. ``writeback``:
+    start the kernel's writeback as the files grow, where the backend's files allow it."""
     if thread_count < 1:
         raise ValueError(f"thread_count must be >= 1, got {thread_count}")
-    writer: FileSystemWriter
-    if is_url(staging):
-        writer = FsspecWriter(staging, sync_files=False, single_file_per_rank=True, thread_count=thread_count)
-    else:
-        writer = FileSystemWriter(staging, sync_files=True, single_file_per_rank=True, thread_count=thread_count)
-    files = ChecksummingFileSystem(writer.fs, writeback and not is_url(staging))
+    writer = backend.dcp_writer(staging, thread_count)
+    files = ChecksummingFileSystem(writer.fs, writeback and backend.kernel_writeback)
     _leave_out_record_crcs_in_checksummed_streams()
     # Duck-typed: a FileSystemBase subclass would import DCP with this module, at every worker's start.
-    writer.fs = files  # type: ignore[assignment]
+    writer.fs = files
     return writer, files
 
 
@@ -186,7 +174,8 @@ def check_complete(staging: Location, metadata: Any) -> None:
         raise OSError(f"{staging}: DCP wrote {len(metadata.storage_data)} of {planned} items")
 
 
-def records_of(staging: Location, files: ChecksummingFileSystem, names: list[str]) -> list[FileRecord]:
+def records_of(root: CheckpointRoot, staging: Location, files: ChecksummingFileSystem,
+               names: list[str]) -> list[FileRecord]:
     """The manifest records of ``names`` in ``staging``: from the checksums taken while writing, made
     durable (local) and their sizes checked; a file written some other way is read back instead.
     ``OSError`` if any file's writing failed (DCP's extra writer threads do not raise it)."""
@@ -195,7 +184,8 @@ def records_of(staging: Location, files: ChecksummingFileSystem, names: list[str
     records = []
     for name in names:
         written = files.written(name)
-        records.append(record_file(staging, name) if written is None else record_written(staging, name, *written))
+        records.append(root.record_file(staging, name) if written is None
+                       else root.record_written(staging, name, *written))
     return records
 
 

@@ -1,7 +1,7 @@
 """T2 checkpoint format: the manifest, its file records, CRC-32 checksums and the directory names.
 
-Runs in the worker processes, for storage.py and its backends. Pure data and names: nothing
-here touches a filesystem, so the commit protocol and every backend agree on one spelling of
+Runs in the worker processes, for the commit protocol (root.py) and its backends. Pure data and
+names: nothing here touches a filesystem, so the commit protocol and every backend agree on one spelling of
 each name and one checksum.
 """
 

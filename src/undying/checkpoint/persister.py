@@ -27,7 +27,7 @@ from typing import Any
 from undying.checkpoint.dcp_format import UNDYING_KEY, materialize, to_dcp, write_shared_shard
 from undying.checkpoint.dcp_sharded import Exchange, ExchangeStore, save_sharded
 from undying.checkpoint.snapshot import RankSnapshots
-from undying.checkpoint.storage import FileRecord, Location, commit, save_object, staging_dir
+from undying.checkpoint.storage import CheckpointRoot, FileRecord, Location
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,14 @@ class Persister:
     leave the staging directory for ``remove_stale_partials``.
     """
 
-    def __init__(self, *, snapshots: RankSnapshots, root: Location, rank: int,
+    def __init__(self, *, snapshots: RankSnapshots, root: CheckpointRoot | Location, rank: int,
                  store: ExchangeStore, key_prefix: str, keep: int, param_names: list[list[str]],
                  rank_file: str, records_timeout: float, current_generation: Callable[[], int],
                  commit_meta: dict[str, object] | None = None,
                  sharded_state: Callable[[dict[str, Any], dict[str, Any] | None], dict[str, Any]] | None = None,
                  ) -> None:
         self.snapshots = snapshots
-        self.root = root
+        self.root = CheckpointRoot.of(root)
         self.rank = rank
         self.store = store
         self.key_prefix = key_prefix
@@ -176,7 +176,7 @@ class Persister:
         return f"{self.key_prefix}/persist/g{job.generation}/{job.step}"
 
     def _persist(self, job: _Job, started: float) -> PersistResult:
-        staging = staging_dir(self.root, job.step, job.generation)
+        staging = self.root.staging_dir(job.step, job.generation)
         state = self.snapshots.read_slot(job.slot, clone=False)
         records: list[FileRecord] = []
         writer = job.members[0]
@@ -187,13 +187,13 @@ class Persister:
         if self.sharded_state is not None:
             # Every rank writes its shards into one DCP checkpoint; the rank file keeps the rest.
             extras = to_dcp(state["replica"], [])[UNDYING_KEY] if self.rank == writer else None
-            records += save_sharded(staging, self.sharded_state(rank_state["shards"], extras), exchange)
+            records += save_sharded(staging, self.sharded_state(rank_state["shards"], extras), exchange, self.root)
             rank_state = {key: value for key, value in rank_state.items() if key != "shards"}
         elif self.rank == writer:
-            records += write_shared_shard(staging, state["replica"], self.param_names)
+            records += write_shared_shard(staging, state["replica"], self.param_names, self.root)
         if job.fault is not None:
             job.fault()  # an injected fault: the shard is on disk, nothing is committed
-        records.append(save_object(staging, self.rank_file, materialize(rank_state)))
+        records.append(self.root.save_object(staging, self.rank_file, materialize(rank_state)))
         del state  # views into the pinned slot: gone before the slot is unpinned
         gathered = exchange.gather("records", records)
         if gathered is None:  # not the writer
@@ -202,8 +202,8 @@ class Persister:
         files = [record for rank_records in gathered for record in rank_records]
         # The manifest's world size is the number of replicas that wrote it (fewer than the job's after
         # an elastic shrink): only then does a restart of the same size restore each rank's RNG.
-        committed = commit(self.root, staging, step=job.step, generation=job.generation,
-                           world_size=len(job.members), files=files,
-                           meta={**self.commit_meta, "members": list(job.members)}, keep=self.keep)
+        committed = self.root.commit(staging, step=job.step, generation=job.generation,
+                                     world_size=len(job.members), files=files,
+                                     meta={**self.commit_meta, "members": list(job.members)}, keep=self.keep)
         return PersistResult(job.step, job.generation, True, str(committed.path), time.monotonic() - started,
                              sum(record.size for record in files))

@@ -1,5 +1,5 @@
 """Calls run side by side on a few threads: the files of one checkpoint verified at once
-(checkpoint/storage.py), the data files of one DCP checkpoint read at once (checkpoint/dcp_reader.py).
+(checkpoint/committed.py), the data files of one DCP checkpoint read at once (checkpoint/dcp_reader.py).
 
 Runs in the worker (a restore's reads); the calls are file reads, checksums and copies, which
 release the GIL.

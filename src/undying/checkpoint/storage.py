@@ -3,13 +3,15 @@
 Runs in the worker processes: every rank writes its own files into the checkpoint's
 directory, rank 0 commits them, and at restart every rank finds and loads the newest
 checkpoint that verifies. ``root`` is a local (or shared-filesystem) path, or any fsspec
-URL (``s3://``, ``gs://``, ``file://``, ``memory://``, ...). This module is the commit
-protocol (write, commit, prune) and T2's API: finding, verifying and loading committed
-checkpoints is committed.py, re-exported here. The filesystem calls and the directory layout
-of each kind of root are a ``StorageBackend`` (backend.py), chosen once per call by
-``backend_for`` (backends.py): ``LocalBackend
-(local_backend.py, staging directories and one rename) or ``UrlBackend`` (url_backend.py,
-written in place, the manifest is the commit). The manifest format is manifest.py.
+URL (``s3://``, ``gs://``, ``file://``, ``memory://``, ...). This module is T2's API. The
+commit protocol (write, commit, prune, list) is a ``CheckpointRoot`` (root.py), built once per
+root and bound then to the ``StorageBackend`` (backend.py) that holds the filesystem calls and
+the directory layout of that kind of root: ``LocalBackend`` (local_backend.py, staging
+directories and one rename) or ``UrlBackend`` (url_backend.py, written in place, the manifest is
+the commit), chosen by ``backend_for`` (backends.py). Verifying and loading a committed
+checkpoint is committed.py; the checkpoint carries its root's backend. The functions here that
+take a location build the root once per call and delegate to it, for callers that hold no root
+(scripts, tests). The manifest format is manifest.py.
 
 Guarantees:
 
@@ -37,26 +39,19 @@ and a store whose listings lag its writes may not show the newest checkpoint yet
 
 from __future__ import annotations
 
-import io
-import logging
-import time
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from undying.checkpoint.backend import (
     Location,
     PathLike,
     StorageBackend,
     is_url,
-    member_location,
     root_location,
 )
 from undying.checkpoint.backends import backend_for
 from undying.checkpoint.committed import (
     CommittedCheckpoint,
-    latest_verified,
-    list_committed,
     load_object,
     verify,
     verify_files,
@@ -70,12 +65,9 @@ from undying.checkpoint.manifest import (
     CorruptCheckpoint,
     FileRecord,
     Manifest,
-    check_file_name,
-    check_unique,
     checkpoint_dirname,
-    checksum_bytes,
-    json_normalized,
 )
+from undying.checkpoint.root import CheckpointRoot
 
 __all__ = [
     "CHECKSUM_ALGO",
@@ -83,6 +75,7 @@ __all__ = [
     "MANIFEST_NAME",
     "PARTIAL_SUFFIX",
     "REPLACED_SUFFIX",
+    "CheckpointRoot",
     "CommittedCheckpoint",
     "CorruptCheckpoint",
     "FileRecord",
@@ -109,146 +102,59 @@ __all__ = [
     "verify_files",
 ]
 
-logger = logging.getLogger(__name__)
-
-# ------------------------------------------------------------------------ writing
+# A staging directory is served by its root's backend, which its own location picks as well as
+# the root's would: the functions that take one build a root there to reach that backend.
 
 
 def make_root(root: PathLike) -> None:
-    """Create the checkpoint root if it does not exist yet (on an object store: nothing to do)."""
-    backend_for(root).make_root(root)
+    """``CheckpointRoot.make`` of the root at ``root``."""
+    CheckpointRoot.at(root).make()
 
 
 def staging_dir(root: PathLike, step: int, generation: int) -> Location:
-    """Create (if needed) and return the directory where ``generation`` writes ``step``.
-
-    Under a local root: the staging directory ``step_<step>.g<generation>.partial`` that the
-    commit renames. Under a URL root: the final directory ``step_<step>.g<generation>`` (its
-    URL), which the commit's manifest turns into a checkpoint in place.
-
-    Every rank may call this concurrently. Staging directories are never listed as
-    checkpoints; a generation's leftovers are removed by ``remove_stale_partials``.
-    """
-    return backend_for(root).staging_dir(root, step, generation)
+    """``CheckpointRoot.staging_dir`` of the root at ``root``."""
+    return CheckpointRoot.at(root).staging_dir(step, generation)
 
 
 def save_object(staging: Location, name: str, obj: Any) -> FileRecord:
-    """``torch.save`` ``obj`` to ``staging/name`` atomically (local: fsynced; URL: one object
-    write) and return its record.
-
-    The checksum is taken over the exact bytes written, before they reach the storage.
-    """
-    check_file_name(name)
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    data = buffer.getbuffer()
-    record = FileRecord(name=name, size=data.nbytes, checksum=checksum_bytes(data))
-    backend_for(staging).write_file(staging, name, data)
-    return record
+    """``CheckpointRoot.save_object`` into the staging directory ``staging``."""
+    return CheckpointRoot.at(staging).save_object(staging, name, obj)
 
 
 def record_file(staging: Location, name: str) -> FileRecord:
-    """The record of a file another writer (e.g. torch.distributed.checkpoint) put in ``staging``:
-    synced to disk (local), its size and CRC-32 read back from what the file now holds."""
-    backend = backend_for(staging)
-    backend.check_member(staging, name)
-    backend.sync_file(staging, name)
-    size, checksum = backend.file_checksum(staging, name)
-    return FileRecord(name=name, size=size, checksum=checksum)
+    """``CheckpointRoot.record_file`` of a file in the staging directory ``staging``."""
+    return CheckpointRoot.at(staging).record_file(staging, name)
 
 
 def record_written(staging: Location, name: str, size: int, checksum: str) -> FileRecord:
-    """The record of a file written into ``staging`` by a writer that checksummed its bytes on the way
-    out (checkpoint/dcp_writer.py): synced to disk (local), its size checked against what the file
-    now holds; nothing is read back. ``CorruptCheckpoint`` if the size differs."""
-    backend = backend_for(staging)
-    backend.check_member(staging, name)
-    backend.sync_file(staging, name)
-    stored = backend.file_size(staging, name)
-    if stored != size:
-        raise CorruptCheckpoint(f"{member_location(staging, name)}: size {stored} != {size} bytes written")
-    return FileRecord(name=name, size=size, checksum=checksum)
+    """``CheckpointRoot.record_written`` of a file in the staging directory ``staging``."""
+    return CheckpointRoot.at(staging).record_written(staging, name, size, checksum)
 
 
-def commit(
-    root: PathLike,
-    staging: Location,
-    *,
-    step: int,
-    generation: int,
-    world_size: int,
-    files: list[FileRecord],
-    meta: dict[str, Any] | None = None,
-    keep: int | None = None,
-) -> CommittedCheckpoint:
-    """Turn ``staging`` into the committed checkpoint of ``step``; called by rank 0 only.
-
-    Every listed file must be in ``staging`` with its listed size, or ``CorruptCheckpoint``
-    is raised and nothing is committed. Then the manifest is written into ``staging``, the
-    last file, and the backend publishes it. Local root: the staging directory is renamed to
-    ``step_<step>`` in one step; an existing checkpoint of the same step (committed again after
-    a restart) is moved aside, replaced and deleted. URL root: the manifest, one object, was
-    the commit; older generations' directories of the same step are deleted. With ``keep``,
-    older checkpoints beyond the ``keep`` newest are pruned, after the commit, and so are this
-    generation's unfinished directories of earlier steps (checkpoints that failed).
-    """
-    if keep is not None and keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    for record in files:
-        check_file_name(record.name)
-    check_unique(files)
-    backend = backend_for(root)
-    backend.check_staging(root, staging, step, generation)
-    for record in files:
-        where = member_location(staging, record.name)
-        try:
-            size = backend.file_size(staging, record.name)
-        except FileNotFoundError as exc:
-            raise CorruptCheckpoint(f"{where}: missing at commit") from exc
-        if size != record.size:
-            raise CorruptCheckpoint(f"{where}: size {size} != recorded {record.size} at commit")
-
-    manifest = Manifest(step=step, generation=generation, world_size=world_size, files=list(files),
-                        meta=json_normalized(meta or {}), created=time.time())
-    backend.write_file(staging, MANIFEST_NAME, manifest.to_json().encode())
-    final = backend.publish(root, staging, step, generation)
-    logger.info("committed checkpoint step %d (generation %d) at %s", step, generation, final)
-    # This generation's checkpoints that failed before this one (a full disk) leave their partial
-    # files behind: nobody will finish them, and they hold the space the next ones need.
-    backend.remove_abandoned(root, generation, step)
-    if keep is not None:
-        prune(root, keep)
-    return CommittedCheckpoint(final, manifest)
-
-
-# ---------------------------------------------------------------------- cleaning
+def commit(root: PathLike, staging: Location, *, step: int, generation: int, world_size: int,
+           files: list[FileRecord], meta: dict[str, Any] | None = None,
+           keep: int | None = None) -> CommittedCheckpoint:
+    """``CheckpointRoot.commit`` of the root at ``root``; called by rank 0 only."""
+    return CheckpointRoot.at(root).commit(staging, step=step, generation=generation, world_size=world_size,
+                                          files=files, meta=meta, keep=keep)
 
 
 def prune(root: PathLike, keep: int) -> list[Location]:
-    """Delete committed checkpoints beyond the ``keep`` newest; return what was removed.
-
-    Staging (``.partial``, or under a URL root manifest-less) directories are never touched, so
-    a write in progress is safe. Directories with a committed name but a bad manifest are left
-    for inspection. Under a URL root each manifest is deleted before its files.
-    """
-    if keep < 0:
-        raise ValueError(f"keep must be >= 0, got {keep}")
-    backend = backend_for(root)
-    removed: list[Location] = []
-    for ckpt in list_committed(root)[keep:]:
-        backend.remove_checkpoint(ckpt.path)
-        removed.append(ckpt.path)
-        logger.info("pruned checkpoint step %d at %s", ckpt.step, ckpt.path)
-    return removed
+    """``CheckpointRoot.prune`` of the root at ``root``."""
+    return CheckpointRoot.at(root).prune(keep)
 
 
 def remove_stale_partials(root: PathLike, current_generation: int) -> list[Location]:
-    """Delete staging directories of other generations and ``.replaced`` leftovers (under a URL
-    root: manifest-less directories of other generations, and committed ones replaced by a
-    newer generation's commit of the same step).
+    """``CheckpointRoot.remove_stale_partials`` of the root at ``root``; only while no commit runs."""
+    return CheckpointRoot.at(root).remove_stale_partials(current_generation)
 
-    Call only while no commit is running (e.g. at job start or after a regroup).
-    """
-    return backend_for(root).remove_stale(root, current_generation)
+
+def list_committed(root: PathLike) -> list[CommittedCheckpoint]:
+    """``CheckpointRoot.list_committed`` of the root at ``root``: newest first, not verified."""
+    return CheckpointRoot.at(root).list_committed()
+
+
+def latest_verified(root: PathLike, on_corrupt: Callable[[Location, str], None] | None = None,
+                    older_than: int | None = None) -> CommittedCheckpoint | None:
+    """``CheckpointRoot.latest_verified`` of the root at ``root``."""
+    return CheckpointRoot.at(root).latest_verified(on_corrupt, older_than)

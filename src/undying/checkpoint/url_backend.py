@@ -2,7 +2,7 @@
 place, committed by the manifest.
 
 Runs in the worker processes (the persister thread, the dying-checkpoint writer and the
-restore), as the ``StorageBackend`` that storage.py uses for a checkpoint root given as a URL.
+restore), as the ``StorageBackend`` that a ``CheckpointRoot`` (root.py) given as a URL is bound to.
 """
 
 from __future__ import annotations
@@ -78,6 +78,20 @@ class UrlBackend:
     Not guaranteed: durability is the store's (a ``file://`` URL is not fsynced), and a store
     whose listings lag its writes may not show the newest checkpoint yet.
     """
+
+    kernel_writeback = False
+
+    def dcp_writer(self, directory: Location, thread_count: int) -> Any:
+        """DCP's fsspec writer, without ``sync_files``: an fsspec file without a descriptor makes DCP
+        fall back to ``os.sync()`` of the whole machine; the store makes a closed file durable."""
+        from undying._torch_compat.dcp import FsspecWriter
+
+        return FsspecWriter(directory, sync_files=False, single_file_per_rank=True, thread_count=thread_count)
+
+    def dcp_reader(self, directory: Location) -> Any:
+        from undying.checkpoint.dcp_reader import ParallelFsspecReader
+
+        return ParallelFsspecReader(directory)
 
     def make_root(self, root: PathLike) -> None:
         _makedirs(UrlDir.open(root))

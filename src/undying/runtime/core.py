@@ -24,7 +24,6 @@ import torch
 
 from undying import events as ev
 from undying._torch_compat.training import compiled_original
-from undying.checkpoint.storage import list_committed
 from undying.config import JobSpec
 from undying.data import ResumableLoader
 from undying.inject import decode
@@ -90,7 +89,7 @@ class Runtime:
         root = checkpoint_root(self.spec, self.run_dir)
         self.injections = InjectionPoints(decode(env.injections_text), self.reporter, self.rank, self.node,
                                           self.local_rank,
-                                          lambda step: any(c.step == step for c in list_committed(root)),
+                                          lambda step: any(c.step == step for c in root.list_committed()),
                                           self.run_dir / "injections", env.local_world_size)
         self.draws = DrawLedger()  # a batch carried into a step in a variable (runtime/carried_batches.py)
         self.finished = False

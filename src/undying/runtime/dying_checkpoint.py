@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from undying import events as ev
-from undying.checkpoint import FileRecord, commit, save_object, staging_dir
+from undying.checkpoint import FileRecord
 from undying.checkpoint.dcp_format import UNDYING_KEY, to_dcp, write_shared_shard
 from undying.checkpoint.dcp_sharded import Exchange, save_sharded
 from undying.checkpoint.manifest import NUMERICS_KEY, rank_state_file
@@ -87,7 +87,7 @@ class DyingCheckpoint:
         started = time.time()
         step = plan.target_step
         root = self.checkpoints.root
-        staging = staging_dir(root, step, plan.generation)
+        staging = root.staging_dir(step, plan.generation)
         records: list[FileRecord] = []
         replica = {**self.state.replica_state(), "committed_step": step}
         # The holders (the source first, so it coordinates) exchange DCP plans and file records.
@@ -96,11 +96,11 @@ class DyingCheckpoint:
         if writes_shards:
             extras = to_dcp(replica, [])[UNDYING_KEY] if rank == plan.source_rank else None
             state_dict = self.checkpoints.dcp_layout().state_dict(self.state.shard_state(), extras)
-            records += save_sharded(staging, state_dict, exchange)
+            records += save_sharded(staging, state_dict, exchange, root)
         elif rank == plan.source_rank:
-            records += write_shared_shard(staging, replica, self.checkpoints.param_names())
+            records += write_shared_shard(staging, replica, self.checkpoints.param_names(), root)
         for file_rank, whose in files.items():
-            records.append(save_object(staging, rank_state_file(file_rank), self._rank_file_state(plan, file_rank, whose)))
+            records.append(root.save_object(staging, rank_state_file(file_rank), self._rank_file_state(plan, file_rank, whose)))
         if sharded:
             gathered = exchange.gather("records", records)
             if gathered is None:
@@ -108,10 +108,10 @@ class DyingCheckpoint:
             records = [record for writer in gathered for record in writer]
         if rank != plan.source_rank:
             return
-        committed = commit(root, staging, step=step, generation=plan.generation, world_size=len(members),
-                           files=records, meta={"dump": True, "node": membership.node, "members": members,
-                                                NUMERICS_KEY: self.checkpoints.numerics},
-                           keep=self.spec.checkpoint.keep)
+        committed = root.commit(staging, step=step, generation=plan.generation, world_size=len(members),
+                                files=records, meta={"dump": True, "node": membership.node, "members": members,
+                                                     NUMERICS_KEY: self.checkpoints.numerics},
+                                keep=self.spec.checkpoint.keep)
         self.reporter.emit(ev.DUMP_COMMITTED, step=step, path=str(committed.path),
                            seconds=round(time.time() - started, 4), bytes=sum(r.size for r in records),
                            writers=sorted(set(plan.holders)) if sharded else [rank])

@@ -11,14 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from undying.checkpoint import (
+    CheckpointRoot,
     CommittedCheckpoint,
     CorruptCheckpoint,
     Location,
-    latest_verified,
-    list_committed,
     load_object,
-    make_root,
-    remove_stale_partials,
 )
 from undying.checkpoint.dcp_format import UNDYING_KEY, is_dcp_shard, read_shared_shard
 
@@ -28,21 +25,21 @@ SOURCE_STORAGE = "storage"
 SOURCE_NONE = "none"
 
 
-def choose_restore(root: Location, generation: int, held: list[set[int]], sharded: bool,
+def choose_restore(root: CheckpointRoot, generation: int, held: list[set[int]], sharded: bool,
                    on_corrupt: Callable[[Location, str], None]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The plan every rank follows (``source``, ``step``) and, for storage, the shared shard already
     read. ``held``: each rank's T1 steps. T1 wins when its step is not older than the newest verified
     T2 checkpoint (then T2 need not even be read); a T2 checkpoint that fails verification or does not
     parse is reported (``on_corrupt``) and the next older one is tried."""
-    make_root(root)
-    remove_stale_partials(root, generation)
+    root.make()
+    root.remove_stale_partials(generation)
     memory_step = max(set.intersection(*held), default=-1) if held else -1
-    listed = list_committed(root)
+    listed = root.list_committed()
     if memory_step >= 0 and (not listed or memory_step >= listed[0].step):
         return {"source": SOURCE_MEMORY, "step": memory_step}, None
     older_than: int | None = None
     while True:
-        checkpoint = latest_verified(root, on_corrupt=on_corrupt, older_than=older_than)
+        checkpoint = root.latest_verified(on_corrupt=on_corrupt, older_than=older_than)
         if checkpoint is None or memory_step >= checkpoint.step:
             if memory_step >= 0:
                 return {"source": SOURCE_MEMORY, "step": memory_step}, None

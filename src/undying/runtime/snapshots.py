@@ -18,11 +18,7 @@ from typing import Any
 import torch
 
 from undying import events as ev
-from undying.checkpoint import (
-    Location,
-    remove_stale_partials,
-    root_location,
-)
+from undying.checkpoint import CheckpointRoot
 from undying.checkpoint.copy import updated_only_by
 from undying.checkpoint.dcp_format import optimizer_param_names
 from undying.checkpoint.manifest import NUMERICS_KEY, rank_state_file
@@ -47,9 +43,10 @@ RECORDS_TIMEOUT_MIN_S = 60.0  # rank 0 waits at least this long for the other ra
 PERSIST_STORE_TIMEOUT_S = 10.0  # the persister's store connection: per call, not for the records wait
 
 
-def checkpoint_root(spec: JobSpec, run_dir: Path) -> Location:
-    """Where T2 checkpoints go: ``checkpoint.dir`` (a path or URL), else the run directory's."""
-    return root_location(spec.checkpoint.dir) if spec.checkpoint.dir else run_dir / "checkpoints"
+def checkpoint_root(spec: JobSpec, run_dir: Path) -> CheckpointRoot:
+    """Where T2 checkpoints go: ``checkpoint.dir`` (a path or URL), else the run directory's; built
+    once per worker, with the storage backend every checkpoint operation of the worker uses."""
+    return CheckpointRoot.at(spec.checkpoint.dir or run_dir / "checkpoints")
 
 
 class CheckpointEngine:
@@ -81,7 +78,7 @@ class CheckpointEngine:
     """
 
     def __init__(self, spec: JobSpec, state: TrainingState, membership: Membership, reporter: Reporter,
-                 injections: InjectionPoints, root: Location, job_id: str | None, token: str = "") -> None:
+                 injections: InjectionPoints, root: CheckpointRoot, job_id: str | None, token: str = "") -> None:
         self.spec = spec.checkpoint
         self._deterministic = spec.deterministic
         self._nproc_per_node = spec.nproc_per_node
@@ -360,7 +357,7 @@ class CheckpointEngine:
         generation's directories are left alone: this rank, its committer, has finished its last job,
         but another rank may still be closing."""
         try:
-            remove_stale_partials(self.root, self.membership.generation)
+            self.root.remove_stale_partials(self.membership.generation)
         except OSError as error:
             print(f"undying: rank {self.membership.rank}: could not remove unfinished checkpoint directories "
                   f"under {self.root}: {error}", file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from undying import events as ev
-from undying.checkpoint import CommittedCheckpoint, Location, list_committed, load_object
+from undying.checkpoint import CommittedCheckpoint, Location, load_object
 from undying.checkpoint.manifest import NUMERICS_KEY, rank_state_file
 from undying.runtime.devices import numerics_differences
 from undying.runtime.restore_plan import SOURCE_MEMORY, SOURCE_STORAGE, choose_restore
@@ -71,7 +71,7 @@ def restore_at_start(engine: CheckpointEngine) -> bool:
     elif source == SOURCE_STORAGE:
         training.load_replica_state(broadcast_state(group, loaded, 0, membership.device,
                                                     live=training.replica_state()))
-        checkpoint = next(c for c in list_committed(engine.root) if c.step == step)
+        checkpoint = next(c for c in engine.root.list_committed() if c.step == step)
         if reports:
             _report_numerics(engine, checkpoint, [each["numerics"] for each in reports])
         rank_state: dict[str, Any] = {}
