@@ -165,6 +165,34 @@ class JobCore(ABC):
         self.abort_through(self.generation)
         self.transition(JobState.STOPPING)
 
+    # ---------------------------------------------------------------- what the executors keep on the job
+
+    def publish(self, plan: Plan) -> None:
+        """``plan`` forms its generation: every check-in of it is answered with it from now on, and
+        the crash-loop watch counts progress from its target step."""
+        self.plans[plan.generation] = plan
+        self.crash_loop.watch(plan.generation, plan.target_step)
+
+    def count_retry(self, step: int) -> None:
+        """One more in-place retry of ``step`` (retry's ``max_retries_per_step`` counts them)."""
+        self.retries[step] = self.retries.get(step, 0) + 1
+
+    def await_grow(self, pending: ActiveRecovery | None) -> None:
+        """Returned ranks start while the survivors train (an elastic grow); None: none are awaited."""
+        self.pending_grow = pending
+
+    def refuse_grow(self, node: int, agent_pid: int) -> None:
+        """This incarnation of ``node``'s agent failed to start its ranks for a grow: not asked again."""
+        self.grow_refused.add((node, agent_pid))
+
+    def hold_stop(self, drain: CommitDrain | None) -> None:
+        """A job restart's stop held while a survivor finishes a T2 commit (None: not, or no longer)."""
+        self.commit_drain = drain
+
+    def deadline_at(self, deadline: float) -> None:
+        """When the state the job is in (stopping, restarting, waiting for nodes) gives up."""
+        self.state_deadline = deadline
+
     # ---------------------------------------------------------------- generations
 
     def start_generation(self, now: float, members: list[int] | None = None) -> None:

@@ -117,7 +117,7 @@ def handle_fault(job: JobCore, fault: Fault, now: float) -> None:
         # furthest any of them has reported is the step in flight.
         fault = replace(fault, step=max([fault.step or 0, *job.membership.known_steps()]))
     job.count_fault(fault.reason)
-    job.pending_grow = None  # its starting ranks are told to exit when they ask for a plan
+    job.await_grow(None)  # its starting ranks are told to exit when they ask for a plan
     job.detector.step_failures.clear()
     job.emit(ev.FAULT_DETECTED, node=fault.node, rank=fault.rank, step=fault.step, generation=job.generation,
              details={"reason": fault.reason, "exitcode": fault.exitcode, "signal": fault.signal,

@@ -43,7 +43,7 @@ def begin_job_restart(job: JobCore, why: str, now: float, count: bool = True) ->
     job restart's executor owns the job from here (stopping, restarting)."""
     job.begin_restart(StrategyName.JOB_RESTART, counted=count)
     job.emit(ev.RESTART_BEGIN, generation=job.generation, details={"restart_count": job.restart_count, "fault": why})
-    job.commit_drain = CommitDrain.for_restart(job.membership, job.persist_health, job.deadlines, why, now)
+    job.hold_stop(CommitDrain.for_restart(job.membership, job.persist_health, job.deadlines, why, now))
     if job.commit_drain is None:
         stop_workers(job, why, now)
 
@@ -53,7 +53,7 @@ def stop_workers(job: JobCore, why: str, now: float) -> None:
     job.order_all(Order(kind=OrderKind.STOP, generation=job.generation, reason=why))
     for node in job.membership.nodes.values():
         node.check_due = node.alive and not node.standby and job.spec.node_check
-    job.state_deadline = now + job.deadlines.stop
+    job.deadline_at(now + job.deadlines.stop)
 
 
 def shrunk_restart_members(job: JobCore) -> list[int] | None:
@@ -95,14 +95,14 @@ class JobRestart(Executor):
             if outcome:
                 job.emit(ev.COMMIT_DRAIN, rank=drain.rank, step=drain.step, generation=job.generation,
                          details={"outcome": outcome, "seconds": round(now - drain.started, 3)})
-                job.commit_drain = None
+                job.hold_stop(None)
                 stop_workers(job, drain.why, now)
         elif job.state is JobState.STOPPING:
             still_running = [n.node for n in membership.nodes.values() if n.alive and n.running_workers()]
             checking = [n.node for n in membership.nodes.values() if n.alive and n.check_due]
             if (not still_running and not checking) or now > job.state_deadline:
                 job.transition(JobState.RESTARTING)
-                job.state_deadline = now + job.deadlines.node_return
+                job.deadline_at(now + job.deadlines.node_return)
         elif job.state is JobState.RESTARTING:
             members = shrunk_restart_members(job)
             if members is not None:

@@ -115,8 +115,7 @@ class ProcessRecovery(Executor):
     def publish_plan(self, job: JobCore, recovery: ActiveRecovery, now: float) -> None:
         membership = job.membership
         plan = recovery.make_plan()
-        job.plans[plan.generation] = plan
-        job.crash_loop.watch(plan.generation, plan.target_step)
+        job.publish(plan)
         job.emit(ev.RECOVERY_PLAN, generation=plan.generation, step=plan.target_step,
                  details={"strategy": plan.strategy, "action": plan.action, "source_rank": plan.source_rank,
                           "receivers": plan.receivers, "world_size": plan.world_size,
@@ -188,7 +187,7 @@ class Retry(ProcessRecovery):
 
     def start(self, job: JobCore, attempt: Attempt, now: float) -> None:
         step = job.membership.committed_step()
-        job.retries[step] = job.retries.get(step, 0) + 1
+        job.count_retry(step)
         super().start(job, attempt, now)
 
 

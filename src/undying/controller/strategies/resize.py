@@ -90,10 +90,10 @@ def grow_if_nodes_returned(job: JobCore, now: float) -> None:
         if pending.newcomers <= pending.newcomers_ready and not restoring:
             _begin_grow(job, pending, now)
         elif now > pending.deadline:
-            job.pending_grow = None
+            job.await_grow(None)
             for node in {membership.node_of(rank) for rank in pending.newcomers}:
                 if node in membership.nodes:  # this agent incarnation is not asked again
-                    job.grow_refused.add((node, membership.nodes[node].pid))
+                    job.refuse_grow(node, membership.nodes[node].pid)
             job.emit(ev.RECOVERY_FAILED, generation=job.generation,
                      details={"strategy": StrategyName.ELASTIC, "grow": True, "why": "returned ranks did not start "
                               f"within start_timeout ({job.spec.start_timeout:g} s): "
@@ -118,7 +118,7 @@ def grow_if_nodes_returned(job: JobCore, now: float) -> None:
                              job.generation, job.generation + 1, grown,
                              survivors=set(members), newcomers=newcomers, started=now, grow=True,
                              deadline=now + job.deadlines.grow_start)
-    job.pending_grow = pending
+    job.await_grow(pending)
     for node in returned:
         job.order_replace(node, membership.ranks_of(node), pending.generation, now, grow=True)
 
@@ -126,7 +126,7 @@ def grow_if_nodes_returned(job: JobCore, now: float) -> None:
 def _begin_grow(job: JobCore, pending: ActiveRecovery, now: float) -> None:
     """Every returned rank is up: end the running generation and regroup with them."""
     membership = job.membership
-    job.pending_grow = None
+    job.await_grow(None)
     old_generation = job.generation
     for rank in sorted(pending.newcomers):
         membership.ranks[rank] = RankRecord(rank, membership.node_of(rank), pending.generation, now,
