@@ -18,7 +18,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoint_tables import loop_table, table  # bench/, beside this script
+from process_meters import PeakRss, gil_waits, settle_page_cache
 
 from undying.checkpoint import latest_verified
 from undying.checkpoint.copy import updated_only_by
@@ -40,8 +41,6 @@ SIZES = {"50M": (12, True, True), "200M": (48, True, True), "1B": (240, False, F
          "tiny": (1, True, True)}  # tiny: 4M parameters, the smoke test's (tests/unit/test_benchmarks.py)
 DEFAULT_SIZES = ["50M", "200M", "1B"]
 LOOP_BATCH = 16  # rows per training step in the loop measurement (AdamW sizes only)
-PAGE = os.sysconf("SC_PAGE_SIZE")
-SETTLE_S = 1.0  # after os.sync(): the disk idle again before the next method is timed
 DEVICE = torch.device("cpu")  # --device: where the model and optimizer live (cuda: snapshots are D2H copies)
 
 
@@ -49,49 +48,6 @@ def synchronize() -> None:
     """Wait for the device's queued work (a timing of device copies must include them)."""
     if DEVICE.type == "cuda":
         torch.cuda.synchronize(DEVICE)
-
-
-class PeakRss:
-    """Samples this process's resident memory (shared-memory pages it maps included) every 2 ms."""
-
-    def __init__(self) -> None:
-        self.base = rss_bytes()
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, rss_bytes())
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.base
-
-
-def rss_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * PAGE
-
-
-def gil_waits(until: Callable[[], bool], at_least: float = 0.0) -> dict[str, float]:
-    """How long this thread waits for the GIL while another thread works: sleep 1 ms in a loop and
-    record each wake-up's delay beyond the 1 ms (a thread holding the GIL delays it)."""
-    delays, started = [], time.perf_counter()
-    while not until() or time.perf_counter() - started < at_least:
-        before = time.perf_counter()
-        time.sleep(0.001)
-        delays.append(time.perf_counter() - before - 0.001)
-    delays.sort()
-    return {"max_s": delays[-1], "p99_s": delays[int(0.99 * (len(delays) - 1))], "samples": len(delays)}
 
 
 def build(layers: int, adamw: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -330,14 +286,6 @@ def measure_async_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             "gil_wait_idle": idle, "gil_wait_persisting": busy}
 
 
-def settle_page_cache() -> None:
-    """Before each method: write back what the previous one left dirty (``async_save`` never fsyncs,
-    and its files' writeback may still run when they are deleted), so that no method pays for
-    another's writeback. Without it the method after a large unsynced write was up to 2x slower."""
-    os.sync()
-    time.sleep(SETTLE_S)
-
-
 def medians(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The first round's result, its persist and load times replaced by the median over all rounds
     (each round's value kept beside it, as ``<key>_runs``)."""
@@ -400,57 +348,6 @@ def run_size(name: str, work: Path, repeats: int, loop_rounds: int, rounds: int 
         row["loop"] = measure_in_loop(layers, LOOP_BATCH, loop_rounds)
         print(f"  loop {row['loop']}", flush=True)
     return row
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    def s(value: float | None) -> str:
-        return "-" if value is None else f"{value:.3f}"
-
-    def gib(value: int | None) -> str:
-        return "-" if value is None else f"{value / 2**30:.2f}"
-
-    lines = ["| model | state GiB | copy_ s | undying stall s (x copy) | torch.save stall s | async_save stall s "
-             "| persist s: undying / torch.save+fsync / async_save / write+fsync "
-             "| persist CPU s: undying / torch.save+fsync / async_save / write+fsync | load s: T1 / T2 / torch.load "
-             "| extra memory GiB: undying (T1 slots) / torch.save / async_save "
-             "| training thread's GIL wait while persisting, max (p99) ms: undying / async_save |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for row in rows:
-        u, t, a, w = row["undying"], row["torch_save"], row.get("async_save", {}), row.get("write", {})
-        label = f"{row['size']} ({row['parameters'] / 1e6:.0f}M{' + AdamW' if row['adamw'] else ', no optimizer state'})"
-        ratio = u["stall_s"] / row["copy"]["stall_s"]
-        def wait(result: dict[str, Any]) -> str:
-            busy = result.get("gil_wait_persisting")
-            return "-" if busy is None else f"{busy['max_s'] * 1e3:.1f} ({busy['p99_s'] * 1e3:.1f})"
-
-        lines.append(
-            f"| {label} | {row['state_bytes'] / 2**30:.2f} | {s(row['copy']['stall_s'])} | {s(u['stall_s'])} "
-            f"({ratio:.2f}x) | {s(t['stall_s'])} | {s(a.get('stall_s'))} "
-            f"| {s(u.get('persist_s'))} / {s(t['persist_s'])} / {s(a.get('persist_s'))} / {s(w.get('persist_s'))} "
-            f"| {s(u.get('persist_cpu_s'))} / {s(t['persist_cpu_s'])} / {s(a.get('persist_cpu_s'))} "
-            f"/ {s(w.get('persist_cpu_s'))} "
-            f"| {s(u['load_t1_s'])} / {s(u.get('load_t2_s'))} / {s(t['load_s'])} "
-            f"| {gib(u['extra_memory_bytes'])} / {gib(t['rss_delta_bytes'])} / {gib(a.get('rss_delta_bytes'))} "
-            f"| {wait(u)} / {wait(a)} |")
-    return "\n".join(lines)
-
-
-def loop_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | batch | step s: no snapshot / boundary snapshot / overlapped snapshot "
-             "| cost per snapshot s: boundary / overlapped (training thread blocked) "
-             "| torch.save stall s | torch.save / overlapped cost |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for row in rows:
-        loop = row.get("loop")
-        if loop is None:
-            continue
-        step, save = loop["step_s"], row["torch_save"]["stall_s"]
-        cost = loop["cost_overlapped_s"]
-        ratio = f"{save / cost:.0f}x" if cost > 0 else "cost below the noise"
-        lines.append(f"| {row['size']} | {loop['batch']} | {step['none']:.3f} / {step['boundary']:.3f} / "
-                     f"{step['overlapped']:.3f} | {loop['cost_boundary_s']:.3f} / {cost:.3f} "
-                     f"({loop['blocked_overlapped_s']:.3f}) | {save:.3f} | {ratio} |")
-    return "\n".join(lines)
 
 
 def main() -> int:
