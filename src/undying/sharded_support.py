@@ -19,6 +19,11 @@ SHARDED_STRATEGIES = (StrategyName.RETRY, StrategyName.RECOVER_IN_PLACE, Strateg
 # They need another replica of each shard (replicate >= 2): a repair's donor, a dump's writer, the
 # whole replicas an elastic shrink trains on.
 REPLICA_STRATEGIES = (StrategyName.RECOVER_IN_PLACE, StrategyName.RECOVER, StrategyName.DUMP, StrategyName.ELASTIC)
+# Why a mesh of one replica cannot serve one of them (the worker's start-up error quotes the first two).
+NEEDS_T1 = "recover-in-place needs T1 snapshots: checkpoint.snapshot_interval >= 1 or auto"
+NEEDS_PEER_COPIES = ("recover needs peer copies of T1: checkpoint.peer_copy auto, a job under agents on two or "
+                     "more nodes")
+NO_OTHER_REPLICA = "no other replica holds a lost rank's shard (a sharded mesh of one replica)"
 
 
 def single_replica_strategies(t1_snapshots: bool, peer_copies: bool) -> tuple[StrategyName, ...]:
@@ -37,10 +42,10 @@ def mesh_refusal(strategy: StrategyName, replicate: int, t1_snapshots: bool, pee
     if strategy in single_replica_strategies(t1_snapshots, peer_copies):
         return None
     if strategy == StrategyName.RECOVER_IN_PLACE:
-        return "a sharded mesh of one replica needs T1 snapshots (checkpoint.snapshot_interval >= 1 or auto)"
+        return NEEDS_T1
     if strategy == StrategyName.RECOVER and t1_snapshots:
-        return "a sharded mesh of one replica needs peer copies of T1 (checkpoint.peer_copy auto, two or more nodes)"
-    return "no other replica holds a lost rank's shard (a sharded mesh of one replica)"
+        return NEEDS_PEER_COPIES
+    return NO_OTHER_REPLICA
 
 
 def usable_strategies(replicate: int, t1_snapshots: bool, peer_copies: bool) -> tuple[StrategyName, ...]:

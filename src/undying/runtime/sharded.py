@@ -18,7 +18,7 @@ import torch
 from undying._torch_compat.fsdp import forget_unsharded_gradients, fsdp_meshes
 from undying._torch_compat.training import compiled_original
 from undying.runtime.mesh import SwappableGroup, SwappableMesh
-from undying.sharded_support import mesh_refusal, usable_strategies
+from undying.sharded_support import NEEDS_PEER_COPIES, NEEDS_T1, mesh_refusal, usable_strategies
 from undying.strategy_names import StrategyName
 
 if TYPE_CHECKING:
@@ -39,16 +39,14 @@ def make_mesh(rank: int, world_size: int, replicate: int, shard: int | None, str
     # Pure FSDP (replicate 1): no other replica holds a lost rank's shard. Its node's T1 snapshot does:
     # a replacement on the same node restores it from there (runtime/t1_repair.py), if T1 is on; with
     # peer copies, the next node's copy does when the node is lost (runtime/peer_copy.py).
-    refused = [str(name) for name in strategies  # validated names (config/model.py)
-               if mesh_refusal(StrategyName(name), replicate, t1_snapshots, peer_copies)]
+    reasons = {str(name): mesh_refusal(StrategyName(name), replicate, t1_snapshots, peer_copies)
+               for name in strategies}  # validated names (config/model.py)
+    refused = [name for name, reason in reasons.items() if reason]
     if refused:
         usable = usable_strategies(replicate, t1_snapshots, peer_copies)
         allowed = ", ".join(str(name) for name in (*usable, StrategyName.JOB_RESTART, StrategyName.EXIT))
-        needs_t1 = replicate == 1 and not t1_snapshots and StrategyName.RECOVER_IN_PLACE in refused
-        why = " (recover-in-place needs T1 snapshots: checkpoint.snapshot_interval >= 1 or auto)" if needs_t1 else ""
-        if replicate == 1 and t1_snapshots and not peer_copies and StrategyName.RECOVER in refused:
-            why = (" (recover needs peer copies of T1: checkpoint.peer_copy auto, a job under agents on "
-                   "two or more nodes)")
+        hints = [hint for hint in (NEEDS_T1, NEEDS_PEER_COPIES) if hint in reasons.values()]
+        why = f" ({hints[0]})" if hints else ""
         raise ValueError(f"ft.device_mesh: recover_strategy {', '.join(refused)} is not supported for a sharded "
                          f"model with replicate={replicate}{why}; allowed with this mesh: {allowed}")
     return SwappableMesh(rank, replicate, shard, backend, device)
