@@ -11,10 +11,12 @@ that a change in the machine's load falls on all of them alike:
   every step (``checkpoint.snapshot_interval: 1``), warm standby on;
 - ``undying, snapshot auto``: the same with ``snapshot_interval: auto`` (budget 2 %);
 - ``undying, snapshot every 2 steps`` (only with ``--configs ...,every-2``): a fixed interval of 2, what ``auto``
-  chose at the largest size, to tell the interval's cost from the cadence's own.
+  chose at the largest size, to tell the interval's cost from the cadence's own;
+- ``undying defaults`` (only with ``--configs ...,defaults``): ``undying run`` with no option but the
+  job's shape, so T2 checkpoints every 100 steps fall in the window too (persisted in the background).
 
-Every job has 4 ranks on one node, batch 4 x 32 tokens per rank, one thread per rank. No T2
-checkpoint falls in the runs (the checkpoint interval is longer than the run). The step rate is
+Every job has 4 ranks on one node, batch 4 x 32 tokens per rank, one thread per rank. Except with
+the defaults, no T2 checkpoint falls in the runs (the checkpoint interval is longer than the run). The step rate is
 rank 0's, over the steps from ``WARMUP_STEPS`` (after ``auto`` has decided once) to the last, and for
 undying only from when the node's warm standby has finished its imports (the workers are forked
 from it, so this is before their first step; before session 13 the standbys imported beside the
@@ -58,11 +60,17 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
     "2x48": (2, 48, 2, 3000),
     "4x256": (4, 256, 4, 500),
     "8x384": (8, 384, 6, 150),
+    # About 50, 125 and 500 ms per step on a quiet machine: the step times the defaults are held to.
+    "4x128": (4, 128, 4, 900),
+    "4x224": (4, 224, 4, 400),
+    "8x320": (8, 320, 5, 160),
 }
 CONFIGS = ("torchrun", "undying, snapshot every step", "undying, snapshot auto")
 EVERY_2 = "undying, snapshot every 2 steps"
-INTERVALS = {"undying, snapshot every step": "1", "undying, snapshot auto": "auto", EVERY_2: "2"}
-SHORT_NAMES = {"torchrun": CONFIGS[0], "every-step": CONFIGS[1], "auto": CONFIGS[2], "every-2": EVERY_2}  # --configs
+DEFAULTS = "undying defaults"
+INTERVALS = {"undying, snapshot every step": "1", "undying, snapshot auto": "auto", EVERY_2: "2", DEFAULTS: None}
+SHORT_NAMES = {"torchrun": CONFIGS[0], "every-step": CONFIGS[1], "auto": CONFIGS[2], "every-2": EVERY_2,
+               "defaults": DEFAULTS}  # --configs
 WINDOW_STEPS = 20
 RUN_TIMEOUT_S = 900
 
@@ -110,12 +118,14 @@ def standbys_ready(run_dir: Path) -> bool:
     return log.exists() and "ready" in log.read_text(errors="replace")
 
 
-def run_undying(size: str, interval: str, work: Path) -> dict:
+def run_undying(size: str, interval: str | None, work: Path) -> dict:
+    """One undying run; ``interval`` None: the defaults (T2 every 100 steps included)."""
     run_dir = work / "run"
+    options = [] if interval is None else [
+        "--checkpoint-interval", str(NO_T2), "--set", "warm_standby=true",
+        "--set", f"checkpoint.snapshot_interval={interval}", "--set", f"checkpoint.snapshot_budget={BUDGET}"]
     command = [sys.executable, "-m", "undying.cli", "run", "--nnodes", "1", "--nproc-per-node", str(RANKS),
-               "--checkpoint-interval", str(NO_T2), "--set", "warm_standby=true",
-               "--set", f"checkpoint.snapshot_interval={interval}", "--set", f"checkpoint.snapshot_budget={BUDGET}",
-               "--quiet", "--run-dir", str(run_dir), str(GPT_DIR / "train.py"), *model_args(size),
+               *options, "--quiet", "--run-dir", str(run_dir), str(GPT_DIR / "train.py"), *model_args(size),
                "--log-every", str(NO_T2)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     started = time.time()

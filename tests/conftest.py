@@ -37,7 +37,11 @@ BASE_ARGS = ["--nnodes", "2", "--nproc-per-node", "2", "--monitor-interval", "0.
              "--set", "sample_log=true",
              # Every rank's digests of its parameters, optimizer state and RNG at the end, in its
              # worker_done event: assert_ends_bitwise compares every rank, not rank 0 alone.
-             "--set", "state_digests=true"]
+             "--set", "state_digests=true",
+             # A T1 snapshot every step (the default, auto, picks the interval from measured costs,
+             # so the step a job restart resumes from would depend on the machine's load): the
+             # tests' resume points are exact. tests/faults/test_snapshot_auto.py runs auto.
+             "--set", "checkpoint.snapshot_interval=1"]
 # What assert_ends_bitwise compares of each rank by default (``rng_sha256`` on request).
 RANK_DIGESTS = ("params_sha256", "optimizer_sha256")
 

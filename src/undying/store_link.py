@@ -61,7 +61,11 @@ def _mac(token: str, label: bytes, server_nonce: bytes, client_nonce: bytes) -> 
 def _read_exactly(sock: socket.socket, count: int) -> bytes:
     data = b""
     while len(data) < count:
-        chunk = sock.recv(count - len(data))
+        try:
+            chunk = sock.recv(count - len(data))
+        except ConnectionResetError:
+            # A client that closes with our greeting unread resets the connection (a TCP probe does).
+            chunk = b""
         if not chunk:
             raise (HandshakeAbandoned if not data else StoreRefused)("the connection closed during the store handshake")
         data += chunk
@@ -71,7 +75,10 @@ def _read_exactly(sock: socket.socket, count: int) -> bytes:
 def server_handshake(sock: socket.socket, token: str) -> None:
     """The gate's half; raises StoreRefused when the client's proof is wrong or missing."""
     server_nonce = os.urandom(NONCE_BYTES)
-    sock.sendall(MAGIC + server_nonce)
+    try:
+        sock.sendall(MAGIC + server_nonce)
+    except (ConnectionResetError, BrokenPipeError) as error:
+        raise HandshakeAbandoned("the connection closed before the store handshake") from error
     answer = _read_exactly(sock, NONCE_BYTES + MAC_BYTES)
     client_nonce, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
     if not hmac.compare_digest(proof, _mac(token, b"client", server_nonce, client_nonce)):

@@ -186,6 +186,12 @@ def test_auto_is_a_snapshot_interval_and_travels_as_json() -> None:
     assert load_job_spec().checkpoint.snapshot_budget == 0.02
 
 
+def test_auto_is_the_default_and_a_fixed_interval_is_kept() -> None:
+    """Out of the box the interval is chosen against the 2 % budget; a user's number is taken as is."""
+    assert load_job_spec().checkpoint.snapshot_interval == "auto"
+    assert load_job_spec(overrides={"checkpoint.snapshot_interval": 1}).checkpoint.snapshot_interval == 1
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("checkpoint.snapshot_interval", "often",
      "job spec: checkpoint.snapshot_interval: not an integer or auto; allowed: an integer >= 0, or auto (got 'often')"),

@@ -13,6 +13,7 @@ import http.client
 import os
 import socket
 import ssl
+import struct
 import threading
 import time
 from pathlib import Path
@@ -212,6 +213,11 @@ def test_a_port_probe_is_closed_quietly(store, files: TlsFiles) -> None:
     job_store, refused = store
     for _ in range(3):
         socket.create_connection((HOST, job_store.port), timeout=5.0).close()
+    for _ in range(3):  # probes that reset the connection (the gate's greeting unread, or no linger)
+        probe = socket.create_connection((HOST, job_store.port), timeout=5.0)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        time.sleep(0.05)  # the gate's greeting (token only) has arrived unread
+        probe.close()
     tls = ClientTls(str(files.ca)) if job_store.tls is not None else None
     with pytest.raises(StoreRefused):
         StoreLink(OTHER_TOKEN, tls).open(HOST, job_store.port, 5.0)

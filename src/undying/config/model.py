@@ -43,8 +43,9 @@ class CheckpointSpec(BaseModel):
 
     ``interval``: steps between T2 checkpoints (persisted in the background).
     ``snapshot_interval``: steps between T1 snapshots into node shared memory (0: only at
-    T2 checkpoint steps; ``auto``: chosen as the job runs so that snapshots cost at most
-    ``snapshot_budget`` of the training time, runtime/snapshot_cadence.py). ``snapshot_budget``:
+    T2 checkpoint steps; ``auto``, the default: chosen as the job runs so that snapshots cost at
+    most ``snapshot_budget`` of the training time, every step until measured,
+    runtime/snapshot_cadence.py; 1: every step, so a recovery from T1 recomputes no step). ``snapshot_budget``:
     that fraction, in (0, 1) (default 0.02); read only with ``auto``. ``snapshot_slots``: T1 slots per rank, each the size of the rank's
     snapshot (its part of a data-parallel replica kept once per node, checkpoint/node_replica.py); with 2, while the persister holds one the other is rewritten each time (a torn write
     falls back to the persisted step), with 3 a torn write falls back to the previous step.
@@ -67,7 +68,7 @@ class CheckpointSpec(BaseModel):
     dir: str | None = None
     interval: int = Field(100, ge=1)
     keep: int = Field(2, ge=1)
-    snapshot_interval: int | Literal["auto"] = 1
+    snapshot_interval: int | Literal["auto"] = SNAPSHOT_INTERVAL_AUTO
     snapshot_budget: float = Field(0.02, gt=0, lt=1)
     snapshot_slots: int = Field(2, ge=2, le=8)
     overlap: Literal["auto", "on", "off"] = "auto"

@@ -93,7 +93,10 @@ class JobStore:
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             if self.tls is not None:
-                connection = self.tls.wrap_socket(connection, server_side=True)
+                try:
+                    connection = self.tls.wrap_socket(connection, server_side=True)
+                except ConnectionResetError as error:  # reset before a ClientHello: a probe too
+                    raise HandshakeAbandoned("the connection closed before the TLS handshake") from error
             server_handshake(connection, self.token)
         except (OSError, StoreRefused) as error:
             connection.close()

@@ -98,6 +98,7 @@ class CheckpointEngine:
         self._sharded_layout: DcpLayout | None = None  # a sharded job's T2 layout (``dcp_layout``)
         self._stalls: dict[int, float] = {}  # checkpoint step -> its snapshot's seconds, until reported
         self._waited: dict[int, float] = {}  # step -> seconds its save waited for the previous one
+        self._submitted: tuple[int, int] | None = None  # (step, generation) last handed to the persister
         self._copying: int | None = None  # the step of an overlapped snapshot whose copy may still run
         self._stall = 0.0  # the training thread's seconds for the latest snapshot
         self.last_stall = 0.0  # ... once settled: what the latest snapshot cost the training thread
@@ -218,12 +219,16 @@ class CheckpointEngine:
         self._stalls[step] = self._stall  # the training thread's part so far; settle adds its wait
         persister.submit(step, self.membership.generation, list(self.membership.members),
                          self.injections.persist_fault(step))
+        self._submitted = (step, self.membership.generation)
 
     def persist_now(self, step: int) -> None:
         """The job stops: write the T2 checkpoint of committed ``step`` (every rank its part, as at a
-        checkpoint step) and wait until it is done and reported."""
+        checkpoint step) and wait until it is done and reported. A checkpoint step's periodic
+        checkpoint is already in the persister's hands on every rank (each submits it at the commit):
+        it is the one waited for, never written a second time into the same partial directory."""
         self.settle()
-        self.save(step)
+        if self._submitted != (step, self.membership.generation):
+            self.save(step)
         persister = self._ensure_persister()
         persister.flush()
         self._report_results()
