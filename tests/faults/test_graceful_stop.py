@@ -34,7 +34,8 @@ def test_sigterm_persists_the_newest_step_and_a_rerun_resumes_there_bitwise(refe
                                                                              tmp_path: Path) -> None:
     checkpoints = tmp_path / "checkpoints"
     args = ["--checkpoint-dir", str(checkpoints)]
-    process, mark = start_job(tmp_path / "first", args)
+    # Steps of at least 0.1 s: the SIGTERM after step 13 lands well before the job's last step (30).
+    process, mark = start_job(tmp_path / "first", args, script_args=["--step-sleep", "0.1"])
     wait_for_step(tmp_path / "first", 13)
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)

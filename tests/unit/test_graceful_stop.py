@@ -6,7 +6,7 @@ from tests.unit.job_harness import check_in_together
 from undying import events as ev
 from undying.controller.state import JobState
 from undying.events import Event
-from undying.protocol import OrderKind, PlanAction, RecoverRequest, WorkerState
+from undying.protocol import OrderKind, Phase, PlanAction, RecoverRequest, WorkerState
 
 
 def checkpoint_event(kind: str, rank: int, step: int, **details) -> dict:
@@ -95,3 +95,32 @@ def test_a_stop_at_a_checkpoint_step_already_persisted_ends_without_a_second_wri
     assert not job.events(ev.PERSIST_FAILED)
     assert job.controller.state is JobState.STOPPED and job.exit_code == 75
     assert "step 10 persisted by its periodic checkpoint" in job.controller.message
+
+
+def test_a_stop_asked_as_training_ends_lets_the_job_finish(make_job):
+    """A rank already done (its last step committed, its checkpoints closed) will never check in at a
+    boundary: the stop does not begin, and the job ends as it would have, exit 0."""
+    job = make_job(nnodes=2, nproc_per_node=1)
+    job.start_running()
+    job.beat(1, step=30, phase=Phase.DONE)
+    job.controller._apply(lambda now: job.controller.machine.request_stop(now, "received SIGTERM"))
+    job.advance(0.5)
+    assert job.controller.state is JobState.RUNNING and not job.events(ev.STOP_BEGIN)
+    job.beat(0, step=30, phase=Phase.DONE)
+    for node in (0, 1):
+        job.poll(node, 1, job.statuses(node, 1, WorkerState.EXITED, 0))
+    job.advance(0.1)
+    assert job.controller.state is JobState.SUCCEEDED and job.exit_code == 0
+    assert job.controller.message == "finished at step 30"
+
+
+def test_a_stop_whose_ranks_all_finish_their_last_step_instead_ends_the_job_as_finished(make_job):
+    job = make_job(nnodes=2, nproc_per_node=1)
+    job.start_running()
+    job.controller._apply(lambda now: job.controller.machine.request_stop(now, "received SIGTERM"))
+    assert job.controller.state is JobState.RECOVERING
+    for rank in (0, 1):  # the stop came during the last step: each rank ends its loop instead of checking in
+        job.beat(rank, step=30, phase=Phase.DONE)
+    job.advance(0.5)
+    assert job.controller.state is JobState.SUCCEEDED and job.exit_code == 0
+    assert "before the stop (received SIGTERM) took effect" in job.controller.message

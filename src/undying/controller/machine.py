@@ -316,8 +316,13 @@ class JobMachine(JobCore):
             return
         self.stop_requested = why
         self.stop_deadline = now + self.deadlines.graceful_stop
-        if self.state is JobState.RUNNING:
+        if self.state is JobState.RUNNING and not self._training_ended():
             strategies.begin_stop(self, why, now)
+
+    def _training_ended(self) -> bool:
+        """Has a rank finished training? Then the job is ending by itself: a stop asked now lets it
+        finish (every rank runs the same steps) rather than gather ranks that will not check in."""
+        return any(record.done for record in self.membership.ranks.values())
 
     # ---------------------------------------------------------------- time passing
 
@@ -332,7 +337,7 @@ class JobMachine(JobCore):
                 self.cancel(now, f"{self.stop_requested}; the newest step could not be persisted within "
                                  f"stop_timeout ({self.spec.stop_timeout:g} s)")
                 return
-            if self.state is JobState.RUNNING:
+            if self.state is JobState.RUNNING and not self._training_ended():
                 strategies.begin_stop(self, self.stop_requested, now)
                 return
         if self.state is JobState.WAITING_FOR_NODES:

@@ -38,8 +38,9 @@ ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.RUNNING: frozenset(
         {JobState.RECOVERING, JobState.STOPPING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
     ),
+    # RECOVERING -> SUCCEEDED: a stop's ranks all finished their last step instead of checking in.
     JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.STOPPING, JobState.FAILED, JobState.CANCELLED,
-                                    JobState.STOPPED}),
+                                    JobState.STOPPED, JobState.SUCCEEDED}),
     JobState.STOPPING: frozenset({JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED}),
     JobState.RESTARTING: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset(),

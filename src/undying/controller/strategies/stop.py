@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from undying import events as ev
 from undying.controller.deadlines import Deadlines
 from undying.controller.recovery import ActiveRecovery
-from undying.controller.state import EXIT_CANCELLED, EXIT_STOPPED, JobState
+from undying.controller.state import EXIT_CANCELLED, EXIT_OK, EXIT_STOPPED, JobState
 from undying.controller.strategies.base import Attempt, RecoveryContext
 from undying.controller.strategies.process import ProcessRecovery
 from undying.events import Event
@@ -61,6 +61,12 @@ class GracefulStop(ProcessRecovery):
         return None
 
     def progress(self, job: JobCore, now: float) -> None:
+        recovery = job.recovery
+        if recovery is not None and all(job.membership.ranks[rank].done for rank in recovery.survivors):
+            # Every rank finished training before it reached the stop's boundary: nothing is left to stop.
+            job.finish(JobState.SUCCEEDED, EXIT_OK, f"finished at step {job.membership.committed_step()} "
+                                                    f"before the stop ({recovery.fault.detail}) took effect", now)
+            return
         super().progress(job, now)
         recovery = job.recovery
         if job.state.terminal or recovery is None or recovery.plan is None:
