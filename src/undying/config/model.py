@@ -68,7 +68,7 @@ class CheckpointSpec(BaseModel):
     dir: str | None = None
     interval: int = Field(100, ge=1)
     keep: int = Field(2, ge=1)
-    snapshot_interval: int | Literal["auto"] = SNAPSHOT_INTERVAL_AUTO
+    snapshot_interval: int | Literal["auto"] = "auto"
     snapshot_budget: float = Field(0.02, gt=0, lt=1)
     snapshot_slots: int = Field(2, ge=2, le=8)
     overlap: Literal["auto", "on", "off"] = "auto"
