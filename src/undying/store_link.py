@@ -58,13 +58,16 @@ def _mac(token: str, label: bytes, server_nonce: bytes, client_nonce: bytes) -> 
     return hmac.new(token.encode(), label + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
-def _read_exactly(sock: socket.socket, count: int) -> bytes:
+def _read_exactly(sock: socket.socket, count: int, reset_is_close: bool = False) -> bytes:
+    """``count`` bytes; with ``reset_is_close`` (the gate's side) a reset counts as a close: a client
+    that leaves with the gate's greeting unread resets the connection (a TCP probe does)."""
     data = b""
     while len(data) < count:
         try:
             chunk = sock.recv(count - len(data))
         except ConnectionResetError:
-            # A client that closes with our greeting unread resets the connection (a TCP probe does).
+            if not reset_is_close:
+                raise
             chunk = b""
         if not chunk:
             raise (HandshakeAbandoned if not data else StoreRefused)("the connection closed during the store handshake")
@@ -79,7 +82,7 @@ def server_handshake(sock: socket.socket, token: str) -> None:
         sock.sendall(MAGIC + server_nonce)
     except (ConnectionResetError, BrokenPipeError) as error:
         raise HandshakeAbandoned("the connection closed before the store handshake") from error
-    answer = _read_exactly(sock, NONCE_BYTES + MAC_BYTES)
+    answer = _read_exactly(sock, NONCE_BYTES + MAC_BYTES, reset_is_close=True)
     client_nonce, proof = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
     if not hmac.compare_digest(proof, _mac(token, b"client", server_nonce, client_nonce)):
         raise StoreRefused("wrong token proof")
