@@ -9,7 +9,7 @@ that a change in the machine's load falls on all of them alike:
   (this file's ``--torchrun-worker`` mode), no checkpoints;
 - ``undying, snapshot every step``: examples/gpt/train.py under ``undying run``, a T1 snapshot at
   every step (``checkpoint.snapshot_interval: 1``), warm standby on;
-- ``undying, snapshot auto``: the same with ``snapshot_interval: auto`` (budget 2 %);
+- ``undying, snapshot auto``: the same with ``snapshot_interval: auto`` (budget 1 %, the default);
 - ``undying, snapshot every 2 steps`` (only with ``--configs ...,every-2``): a fixed interval of 2, what ``auto``
   chose at the largest size, to tell the interval's cost from the cadence's own;
 - ``undying defaults`` (only with ``--configs ...,defaults``): ``undying run`` with no option but the
@@ -22,7 +22,8 @@ undying only from when the node's warm standby has finished its imports (the wor
 from it, so this is before their first step; before session 13 the standbys imported beside the
 training, and the window began after them):
 torchrun's from its per-step times, undying's from the controller's heartbeat events (rank 0's
-committed step, logged at most every 0.5 s, each at most 0.1 s after its step). The overhead of a
+committed step, logged at most every 0.5 s, each at most 0.5 s after its step; the rate is
+the inverse of the fitted slope of time against step, ``rate``). The overhead of a
 configuration is its median step time against torchrun's, in percent. Each run also records its
 step time over every ``WINDOW_STEPS`` steps (``windows_ms``): how much one run's rate moves while
 nothing in it changes.
@@ -51,7 +52,7 @@ from undying.events import read_events  # noqa: E402
 RANKS = 4
 WARMUP_STEPS = 45  # auto's first decision is at step 40 (two rounds of 20 steps)
 NO_T2 = 100_000  # checkpoint interval: longer than any run here
-BUDGET = 0.02
+BUDGET = 0.01  # the default snapshot_budget
 # n_layer x n_embd -> (n_layer, n_embd, n_head, steps). With 4 ranks on 2 quiet cores the steps take
 # about 40, 200 and 500 ms (measured under a load average of 16: 51, 360 and 1600 ms); the step counts
 # leave a window of about 30-40 s on a quiet machine after the standbys are up (4 standbys importing at
@@ -80,11 +81,18 @@ def load_average() -> float:
 
 
 def rate(times: dict[int, float], first: int) -> float | None:
-    """Steps per second between the first recorded step >= ``first`` and the last one."""
+    """Steps per second over the recorded steps >= ``first``: the inverse of the least-squares slope
+    of time against step. A heartbeat reaches the controller up to ``PROGRESS_MIN_SPACING`` after
+    its step; fitted over every beat of the window, that lag averages out instead of falling on the
+    two ends."""
     steps = sorted(step for step in times if step >= first)
-    if len(steps) < 2 or times[steps[-1]] <= times[steps[0]]:
+    if len(steps) < 2:
         return None
-    return (steps[-1] - steps[0]) / (times[steps[-1]] - times[steps[0]])
+    mean_step = sum(steps) / len(steps)
+    mean_time = sum(times[step] for step in steps) / len(steps)
+    spread = sum((step - mean_step) ** 2 for step in steps)
+    slope = sum((step - mean_step) * (times[step] - mean_time) for step in steps) / spread
+    return 1 / slope if slope > 0 else None
 
 
 def windows(times: dict[int, float]) -> list[float]:

@@ -183,7 +183,7 @@ def test_auto_is_a_snapshot_interval_and_travels_as_json() -> None:
     spec = load_job_spec(overrides={"checkpoint.snapshot_interval": "auto", "checkpoint.snapshot_budget": 0.05})
     assert (spec.checkpoint.snapshot_interval, spec.checkpoint.snapshot_budget) == ("auto", 0.05)
     assert spec_from_json(json.dumps(spec_to_dict(spec))) == spec
-    assert load_job_spec().checkpoint.snapshot_budget == 0.02
+    assert load_job_spec().checkpoint.snapshot_budget == 0.01
 
 
 def test_auto_is_the_default_and_a_fixed_interval_is_kept() -> None:

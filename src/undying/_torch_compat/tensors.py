@@ -23,7 +23,7 @@ def map_tensors(transform: Callable[[torch.Tensor], Any], tree: Any) -> Any:
 
 
 def foreach_copy(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
-    """Copy each source into its destination in one fused call (CPU tensors).
+    """Copy each source into its destination in one fused call (tensors of one device).
 
     Needs ``torch._foreach_copy_``: the public equivalent is one ``copy_`` per tensor, a Python
     loop with a dispatch each, for state dicts of hundreds of tensors."""

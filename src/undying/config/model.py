@@ -46,7 +46,7 @@ class CheckpointSpec(BaseModel):
     T2 checkpoint steps; ``auto``, the default: chosen as the job runs so that snapshots cost at
     most ``snapshot_budget`` of the training time, every step until measured,
     runtime/snapshot_cadence.py; 1: every step, so a recovery from T1 recomputes no step). ``snapshot_budget``:
-    that fraction, in (0, 1) (default 0.02); read only with ``auto``. ``snapshot_slots``: T1 slots per rank, each the size of the rank's
+    that fraction, in (0, 1) (default 0.01); read only with ``auto``. ``snapshot_slots``: T1 slots per rank, each the size of the rank's
     snapshot (its part of a data-parallel replica kept once per node, checkpoint/node_replica.py); with 2, while the persister holds one the other is rewritten each time (a torn write
     falls back to the persisted step), with 3 a torn write falls back to the previous step.
     ``overlap``: ``on`` copies the parameters and optimizer state of a snapshot in the
@@ -69,7 +69,7 @@ class CheckpointSpec(BaseModel):
     interval: int = Field(100, ge=1)
     keep: int = Field(2, ge=1)
     snapshot_interval: int | Literal["auto"] = "auto"
-    snapshot_budget: float = Field(0.02, gt=0, lt=1)
+    snapshot_budget: float = Field(0.01, gt=0, lt=1)
     snapshot_slots: int = Field(2, ge=2, le=8)
     overlap: Literal["auto", "on", "off"] = "auto"
     peer_copy: Literal["auto", "off"] = "auto"

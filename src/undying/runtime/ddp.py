@@ -220,6 +220,11 @@ class FixedLayoutDDP(torch.nn.Module):
         self._bucket_of = {id(p): index for index, bucket in enumerate(self._buckets) for p in bucket.params}
         self._built_from = None if order is None else list(order)
 
+    def averaged_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients this wrapper averages (those that require a gradient), in
+        the module's order. The list itself: not to be changed."""
+        return self._params
+
     def mark_commit_boundary(self) -> None:
         self.buffer_sync.mark_commit_boundary()
 

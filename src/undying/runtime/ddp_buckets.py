@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from undying._torch_compat.tensors import foreach_copy
 from undying.runtime.pg import GenerationGroup, flat_views
 
 STOCK_HOOKS_MODULE = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
@@ -69,16 +70,20 @@ class Bucket:
     @torch.no_grad()
     def gather(self, hook: CommHook, weight: int, divisor: int) -> None:
         """This rank's gradients into the buffer (zeros for a parameter without one): DDP's copy."""
-        factor = weight / divisor
+        sources, destinations = [], []
         for param, view in zip(self.params, self.views, strict=True):
             if param.grad is None:
                 view.zero_()
-            elif hook is CommHook.NONE:
-                torch.mul(param.grad, factor, out=view)
             else:
-                view.copy_(param.grad)
-        if hook is not CommHook.NONE and weight != 1:
-            self.flat.mul_(weight)
+                sources.append(param.grad)
+                destinations.append(view)
+        if destinations:
+            foreach_copy(destinations, sources)  # one fused call, not a dispatch per parameter
+        # The scaling of the whole buffer at once: a product per element, the same bits as DDP's
+        # ``mul_out`` of each gradient by the same wrapped scalar.
+        scale = weight / divisor if hook is CommHook.NONE else weight
+        if scale != 1:
+            self.flat.mul_(scale)
 
     @torch.no_grad()
     def start(self, group: GenerationGroup, hook: CommHook, divisor: int) -> dist.Work | None:
@@ -100,6 +105,7 @@ class Bucket:
         if self._wire is not None:
             self.flat.copy_(self._wire)
             self._wire = None
+        sources, destinations = [], []
         for param, view in zip(self.params, self.views, strict=True):
             if correction and before is not None and id(param) in before:
                 view.add_(before[id(param)], alpha=correction)
@@ -111,4 +117,7 @@ class Bucket:
             elif param.grad is None:
                 param.grad = view.clone()
             else:
-                param.grad.copy_(view)
+                sources.append(view)
+                destinations.append(param.grad)
+        if destinations:
+            foreach_copy(destinations, sources)

@@ -20,14 +20,20 @@ from undying.runtime.pg import GenerationGroup, flat_views
 
 class BufferSync:
     """The buffers of ``module``: ``broadcast`` from a group rank, ``mark_commit_boundary`` and
-    ``roll_back`` to it. Buffers are looked up by name each time (a module may reassign one)."""
+    ``roll_back`` to it. The buffers are those the module has when wrapped (as DDP's), each read
+    from its submodule by name every time: a module may reassign one (or set it to None)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self._module = module
         self._boundary: dict[str, torch.Tensor] = {}  # name -> its value at the last commit boundary
+        # (full name, owning submodule, attribute): found once, not by a walk of the module tree twice a step.
+        self._places: list[tuple[str, torch.nn.Module, str]] = [
+            (full_name, module.get_submodule(full_name.rpartition(".")[0]), full_name.rpartition(".")[2])
+            for full_name, _ in module.named_buffers()]
 
     def named(self) -> dict[str, torch.Tensor]:
-        return dict(self._module.named_buffers())
+        found = ((name, getattr(owner, attribute, None)) for name, owner, attribute in self._places)
+        return {name: buffer for name, buffer in found if isinstance(buffer, torch.Tensor)}
 
     @torch.no_grad()
     def broadcast(self, group: GenerationGroup, root: int = 0) -> None:

@@ -180,7 +180,9 @@ def gradients_of(models: list[Any], shared: tuple[int, int] | None = None) -> li
     gradients are the same on every rank (averaged), and only this rank's share of them is taken."""
     grads = []
     for model in models:
-        params = list(model.parameters())
+        # A wrapped DDP model keeps the list of the parameters it averages: no module walk per step.
+        averaged = getattr(model, "averaged_parameters", None)
+        params = averaged() if averaged is not None else list(model.parameters())
         for param in share_of(params, *shared) if shared is not None else params:
             grad = param.grad
             if grad is not None:

@@ -31,9 +31,14 @@ if TYPE_CHECKING:
     from undying.runtime.membership import Membership
 
 
+_IMMUTABLE = frozenset({int, float, bool, complex, str, bytes, type(None)})
+
+
 def copy_state(state: Any) -> Any:
     """A copy of a state_dict that shares nothing with it: tensors cloned (detached), plain
     containers rebuilt, anything else deep-copied."""
+    if type(state) in _IMMUTABLE:
+        return state  # what deepcopy returns for these too, without its dispatch (a scheduler's lr, every step)
     if isinstance(state, torch.Tensor):
         return state.detach().clone()
     if type(state) is dict:

@@ -1,0 +1,71 @@
+"""The heartbeat thread's cadence (runtime/reporter.py): a beat every ``heartbeat_interval`` at the
+latest, whatever the steps do (the controller's silence timeouts count on it), and progress beats,
+however fast the steps go, no closer than ``PROGRESS_MIN_SPACING``.
+
+The real thread loop, with the controller client replaced by a recorder of when each beat went.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from undying.runtime import reporter as reporter_module
+from undying.runtime.reporter import Reporter
+
+SPACING = 0.5
+INTERVAL = 0.6  # beside a 0.5 s spacing: a loop that waited the interval after the spacing beats every 1.1 s
+
+
+class _NoClient:
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _beats(monkeypatch: pytest.MonkeyPatch, seconds: float, step_every: float | None) -> list[float]:
+    """When the thread's beats began over ``seconds``, with the step moving every ``step_every`` s."""
+    monkeypatch.setattr(reporter_module, "PROGRESS_MIN_SPACING", SPACING)
+    monkeypatch.setattr(reporter_module, "ControllerClient", _NoClient)
+    reporter = Reporter(None, "", rank=0, node=0, generation=1, interval=INTERVAL)
+    reporter._address = "127.0.0.1:1"  # a thread of its own, as with a controller
+    sent: list[float] = []
+    monkeypatch.setattr(reporter, "_beat", lambda _client: sent.append(time.monotonic()))
+    thread = threading.Thread(target=reporter._beat_forever, daemon=True)
+    thread.start()
+    ends = time.monotonic() + seconds
+    step = 0
+    while time.monotonic() < ends:
+        if step_every is None:
+            time.sleep(0.05)
+            continue
+        step += 1
+        reporter.update(step=step)
+        time.sleep(step_every)
+    reporter._closed = True
+    reporter.beat_now()
+    thread.join(timeout=5)
+    return sent
+
+
+def _gaps(sent: list[float]) -> list[float]:
+    return [later - earlier for earlier, later in zip(sent, sent[1:], strict=False)]
+
+
+def test_without_progress_a_beat_goes_every_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    gaps = _gaps(_beats(monkeypatch, 4.0, step_every=None))
+    assert len(gaps) >= 4
+    assert max(gaps) < INTERVAL + 0.3, gaps  # the spacing is not added to the interval
+    assert min(gaps) >= INTERVAL - 0.01, gaps
+
+
+def test_fast_steps_beat_at_the_spacing_and_never_later_than_the_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    gaps = _gaps(_beats(monkeypatch, 4.0, step_every=0.01))
+    assert len(gaps) >= 4
+    assert min(gaps) >= SPACING - 0.01, gaps  # progress does not beat faster than the spacing
+    assert max(gaps) < INTERVAL + 0.3, gaps
