@@ -22,7 +22,7 @@ undying only from when the node's warm standby has finished its imports (the wor
 from it, so this is before their first step; before session 13 the standbys imported beside the
 training, and the window began after them):
 torchrun's from its per-step times, undying's from the controller's heartbeat events (rank 0's
-committed step, logged at most every 0.5 s, each at most 0.5 s after its step; the rate is
+committed step, logged at most every 0.5 s, each at most 0.1 s after its step; the rate is
 the inverse of the fitted slope of time against step, ``rate``). The overhead of a
 configuration is its median step time against torchrun's, in percent. Each run also records its
 step time over every ``WINDOW_STEPS`` steps (``windows_ms``): how much one run's rate moves while
