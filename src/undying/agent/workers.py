@@ -4,7 +4,7 @@ Runs in the node agent: ``node_agent.Agent`` is a ``NodeWorkers``, which holds t
 processes and what the agent does with them on the controller's orders (start a generation, replace
 some ranks, stop them all), and tells the controller of each change the moment it sees it: a worker
 that exited (with its log's last lines and its exception), or one stopped (SIGSTOP: a hang) or
-continued, between such reports beating twice per ``heartbeat_interval``. Each worker is forked from
+continued, between such reports beating every ``agent_beat_interval`` (0.25 s by default). Each worker is forked from
 the node's warm standby when it has one (``warm_standby.py``), else started as a plain process.
 """
 
@@ -162,10 +162,10 @@ class NodeWorkers:
     def _watch_stopped(self) -> None:
         """Tell the controller the moment a worker is stopped (or continued), instead of it waiting
         out heartbeat_timeout: the agent's own poll may be held for monitor_interval. Between such
-        reports, beat twice per heartbeat_interval, on a fixed cadence: the controller tells a
+        reports, beat every ``spec.agent_beat_interval()``, on a fixed cadence: the controller tells a
         frozen host (agent and ranks silent together) from a hung rank (its agent still beats) by
         it, and one beat late under load must not make a live host look frozen."""
-        every = self.spec.heartbeat_interval / 2
+        every = self.spec.agent_beat_interval()
         next_beat = time.monotonic()
         client = ControllerClient(self.controller_address, self.token,
                                   timeout=max(2.0, 3 * self.spec.heartbeat_interval), locator=self.locator)

@@ -110,9 +110,12 @@ class CheckpointSpec(BaseModel):
         return value
 
 
-# A live agent and its ranks each beat every heartbeat_interval: this much later than a beat was
-# due, with all of them silent at once, the host is frozen or cut off (bench/detection.py measured
-# the longest gap between two beats under load; docs/benchmarks.md).
+# A live agent beats this often (or twice per heartbeat_interval where that is more often), on a
+# connection of its own: its node's sign of life, whatever its poll, its orders and its ranks do.
+AGENT_BEAT_EVERY = 0.25
+# This much later than an agent's beat was due, with the agent and every rank of its node silent at
+# once, the host is frozen or cut off (bench/detection.py measures the longest silence of a whole
+# node under load; docs/benchmarks.md).
 HOST_SILENCE_SLACK = 0.9
 
 
@@ -298,12 +301,17 @@ class JobSpec(BaseModel):
         """The fewest nodes elastic training may shrink to (``min_nodes``, else 1)."""
         return self.min_nodes if self.min_nodes is not None else 1
 
+    def agent_beat_interval(self) -> float:
+        """Seconds between two beats of a live agent: ``AGENT_BEAT_EVERY``, or half of
+        ``heartbeat_interval`` where that is shorter."""
+        return min(AGENT_BEAT_EVERY, self.heartbeat_interval / 2)
+
     def host_silence_timeout(self) -> float:
         """Seconds of silence from a node's agent and every rank of it after which the controller
-        takes the host for frozen or cut off (while another node is heard from): one heartbeat
+        takes the host for frozen or cut off (while another node is heard from): one agent beat
         interval plus ``HOST_SILENCE_SLACK``, never more than ``heartbeat_timeout``. A worker's
         fence before it applies a step (its lease) is half of this."""
-        return min(self.heartbeat_timeout, self.heartbeat_interval + HOST_SILENCE_SLACK)
+        return min(self.heartbeat_timeout, self.agent_beat_interval() + HOST_SILENCE_SLACK)
 
     def reschedule_wait(self) -> float:
         """Seconds to wait for a lost node to come back before elastic training shrinks the job:

@@ -25,7 +25,7 @@ STEP_FAILED_GRACE = 0.5
 UNCONFIRMED_GRACE = 4.0
 # A live agent whose poll connection closed reconnects at once; one that does not poll again
 # within this long after the close is lost (seconds, not the silence timeout of a vanished host).
-DISCONNECT_GRACE = 1.0
+DISCONNECT_GRACE = 0.5
 # An agent polls again at most monitor_interval after its last poll; this much more silence, while
 # its ranks miss their heartbeats too, means the whole host is frozen or cut off.
 AGENT_QUIET_SLACK = 2.0

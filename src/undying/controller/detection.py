@@ -110,11 +110,11 @@ class FaultDetector:
 
     def _silent_hosts(self, now: float) -> dict[int, str]:
         """Nodes whose agent and every rank with heartbeats went silent together for
-        ``deadlines.host_silent`` (a heartbeat interval plus a slack) while some other node was
-        heard from: the host is frozen or cut off, node -> why. A live agent beats twice per heartbeat
-        interval on a connection of its own, whatever its poll and its orders are doing, and a
-        stopped worker on a live host is its agent's to report; so one silence of all of them at
-        once is the host's. Empty unless the watchdog acts on hangs; a node without a rank that beats
+        ``deadlines.host_silent`` (an agent beat interval plus a slack) while some other node was
+        heard from: the host is frozen or cut off, node -> why. A live agent beats every
+        ``spec.agent_beat_interval()`` on a connection of its own, whatever its poll and its orders
+        are doing, and a stopped worker on a live host is its agent's to report; so one silence of
+        all of them at once is the host's. Empty unless the watchdog acts on hangs; a node without a rank that beats
         yet (starting, a spare) is left to the longer limits below."""
         if self.watchdog != "on":
             return {}
@@ -124,7 +124,7 @@ class FaultDetector:
                   if node.alive and node.confirmed and not node.exit_delivered and node.last_heard is not None}
         judged = []  # nodes whose agent is silent and that have a rank that beats: only they are judged
         for node, heard in newest.items():
-            if now - heard > limit:  # a live agent beats twice per interval: steady state never gets here
+            if now - heard > limit:  # a live agent beats well within it: steady state never gets here
                 beats = [beat for _, beat in self._beating_ranks(node)]
                 if beats:
                     judged.append(node)

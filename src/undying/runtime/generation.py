@@ -5,12 +5,14 @@ each heartbeat reply and on whichever thread sent the beat, the newest generatio
 aborted and the newest it ends at a step boundary; the membership (runtime/membership.py) moves
 to a recovery plan's generation. The rest read it through the membership (``generation``,
 ``aborted``, ``ending``; a collective's wait, the RNG mirror's and the step transaction's fence
-poll ``aborted``) and the reporter (the generation its heartbeats and events carry).
+poll ``aborted``, and a collective that waits long ``ask``s for the controller's word) and the
+reporter (the generation its heartbeats and events carry).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 
 class Generation:
@@ -27,6 +29,7 @@ class Generation:
         self._end_generation = 0  # the newest generation the controller ends at a step boundary
         # Replies are heard on two threads (the heartbeat thread, the training thread's fence).
         self._written = threading.Lock()
+        self._ask: Callable[[], None] = lambda: None  # wakes the heartbeat thread (``asked_by``)
 
     # ------------------------------------------------------------- read by anyone
 
@@ -53,7 +56,17 @@ class Generation:
         """Does the controller end this generation at the next step boundary (an elastic grow), or abort it?"""
         return self._end_generation >= self._current or self.aborted()
 
+    def ask(self) -> None:
+        """Have the controller's word on this generation soon: a heartbeat now (spaced as progress
+        beats are) instead of at the next interval. A collective that waits long asks, so that an
+        abort for a peer that is gone reaches it at once."""
+        self._ask()
+
     # ------------------------------------------------------------- written by the reporter and the membership
+
+    def asked_by(self, beat_now: Callable[[], None]) -> None:
+        """``ask`` calls ``beat_now`` from now on (the reporter's: it sends the heartbeats)."""
+        self._ask = beat_now
 
     def heard(self, abort_generation: int, end_generation: int) -> None:
         """A heartbeat reply's word: the newest generation the controller aborted, and ends."""

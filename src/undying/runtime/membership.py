@@ -90,7 +90,7 @@ class Membership:
         deadline = None if self._spec.watchdog == "off" else self._spec.comm_timeout
         self.group = GenerationGroup(store, self.store_prefix, self.generation, self.group_rank, self.replicas,
                                      self.backend, deadline, self.device, should_abort=self.aborted,
-                                     join_timeout=self._spec.start_timeout)
+                                     join_timeout=self._spec.start_timeout, ask_controller=self._generation.ask)
         self.default_group = DefaultGroup(self.group, self.aborted)
         if self.mesh is not None:
             self.mesh.enter(self.group, store, self.store_prefix, self.aborted, self._spec.start_timeout,

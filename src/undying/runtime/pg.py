@@ -27,6 +27,10 @@ from undying.runtime.reapers import abort_quietly, release_last_references, star
 from undying.store_link import StoreLink
 
 ABORT_POLL_S = 0.05  # how often a waiting collective checks for an abort from the controller
+# A collective waiting this long may be waiting for a peer that is gone (a frozen host keeps its
+# connections open): from then on it has the controller asked for its word every so often, so an
+# abort reaches it within this, not at the heartbeat thread's next beat (heartbeat_interval).
+ASK_CONTROLLER_AFTER_S = 0.25
 DEVICE_POLL_MIN_S = 0.0001  # NCCL: first pause between polls of a collective's completion on the GPU
 DEVICE_POLL_MAX_S = 0.002  # ... doubling up to this
 BACKEND_TIMEOUT_S = 1800.0  # the backends' own default (30 minutes), used when watchdog is off
@@ -73,7 +77,8 @@ class GenerationGroup:
 
     def __init__(self, store: dist.Store, prefix: str, generation: int, rank: int, world_size: int,
                  backend: str, comm_timeout: float | None, device: torch.device,
-                 should_abort: Callable[[], bool] = lambda: False, join_timeout: float = 300.0) -> None:
+                 should_abort: Callable[[], bool] = lambda: False, join_timeout: float = 300.0,
+                 ask_controller: Callable[[], None] = lambda: None) -> None:
         self.store = dist.PrefixStore(f"{prefix}/gen{generation}", store)
         self.generation = generation
         self.rank = rank
@@ -83,6 +88,7 @@ class GenerationGroup:
         # None: no deadline of ours (watchdog off); the backend's own 30-minute timeout still applies.
         self.comm_timeout_s = comm_timeout
         self.should_abort = should_abort
+        self.ask_controller = ask_controller  # a heartbeat now, whose reply may abort this generation
         # The backend's own timeout bounds the rendezvous of a late joiner (a cold replacement needs
         # seconds) and how long an abandoned group's destructor can block its reaper thread.
         backend_timeout = datetime.timedelta(seconds=comm_timeout or BACKEND_TIMEOUT_S)
@@ -180,7 +186,12 @@ class GenerationGroup:
                              name="undying-wait").start()
         deadline = None if self.comm_timeout_s is None else time.monotonic() + self.comm_timeout_s
         poll_device = self.backend == "nccl"
+        ask_at = time.monotonic() + ASK_CONTROLLER_AFTER_S
         while not _settled(work, finished, poll_device):
+            now = time.monotonic()
+            if now >= ask_at:
+                self.ask_controller()
+                ask_at = now + ASK_CONTROLLER_AFTER_S
             cause: BaseException | None = None
             if self.should_abort():
                 cause = RuntimeError("the controller aborted this generation")

@@ -55,6 +55,7 @@ class Reporter:
         self.rank = rank
         self.node = node
         self._generation = Generation(generation) if isinstance(generation, int) else generation
+        self._generation.asked_by(self.beat_now)
         self.interval = interval
         self.step = 0
         self.phase = Phase.STARTING

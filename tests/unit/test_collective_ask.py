@@ -1,0 +1,109 @@
+"""A collective that waits long asks for the controller's word (runtime/pg.py ``ask_controller``,
+runtime/generation.py ``ask``, the reporter's heartbeat thread): a survivor blocked on a peer that
+will never come (a frozen host keeps its connections open) hears the controller's abort within a
+fraction of a second, not at its heartbeat thread's next beat a whole ``heartbeat_interval`` later.
+
+Two gloo ranks as threads of the test process; rank 1 never joins rank 0's all-reduce. Rank 0 has a
+real ``Reporter`` heartbeat thread (interval 5 s) whose beat is answered by a stand-in for the
+controller: from ``ABORT_AT`` on, the reply says the generation is aborted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from undying.runtime import reporter as reporter_module
+from undying.runtime.generation import Generation
+from undying.runtime.pg import ASK_CONTROLLER_AFTER_S, CollectiveError, GenerationGroup
+from undying.runtime.reporter import Reporter
+
+INTERVAL = 5.0  # the heartbeat thread's own cadence: an abort heard only at its beats comes seconds late
+ABORT_AT = 0.3  # seconds after the all-reduce began, the controller gives the generation up
+
+
+class _NoClient:
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _group(store: torch.distributed.Store, rank: int, generation: Generation | None) -> GenerationGroup:
+    if generation is None:
+        return GenerationGroup(store, "ask", 1, rank, 2, "gloo", 20.0, torch.device("cpu"))
+    return GenerationGroup(store, "ask", 1, rank, 2, "gloo", 20.0, torch.device("cpu"),
+                           should_abort=generation.aborted, ask_controller=generation.ask)
+
+
+def test_a_collective_stuck_on_a_silent_peer_hears_the_abort_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reporter_module, "ControllerClient", _NoClient)
+    generation = Generation(1)
+    reporter = Reporter(None, "", rank=0, node=0, generation=generation, interval=INTERVAL)
+    reporter._address = "127.0.0.1:1"  # a heartbeat thread of its own, as with a controller
+    began = [float("inf")]
+    beats: list[float] = []
+
+    def beat(_client: object) -> None:  # the controller's reply to one heartbeat
+        now = time.monotonic()
+        beats.append(now)
+        aborted = now - began[0] >= ABORT_AT
+        generation.heard(abort_generation=1 if aborted else 0, end_generation=0)
+
+    monkeypatch.setattr(reporter, "_beat", beat)
+    store = torch.distributed.HashStore()
+    peer_built, done = threading.Event(), threading.Event()
+
+    def silent_peer() -> None:
+        group = _group(store, 1, None)
+        peer_built.set()
+        done.wait(30)  # never joins the all-reduce
+        del group
+
+    peer = threading.Thread(target=silent_peer, daemon=True)
+    peer.start()
+    group = _group(store, 0, generation)
+    assert peer_built.wait(30)
+    thread = threading.Thread(target=reporter._beat_forever, daemon=True)
+    thread.start()
+    time.sleep(0.2)  # the thread's first beat has gone: the next is due INTERVAL later
+    began[0] = time.monotonic()
+    try:
+        with pytest.raises(CollectiveError, match="aborted"):
+            group.allreduce_sum(torch.ones(4))
+        heard_after = time.monotonic() - began[0]
+    finally:
+        done.set()
+        reporter._closed = True
+        reporter.beat_now()
+        thread.join(timeout=5)
+    assert heard_after < ABORT_AT + 4 * ASK_CONTROLLER_AFTER_S, heard_after  # not at the 5 s beat
+    asked = [at - began[0] for at in beats if at > began[0]]
+    assert len(asked) >= 2 and asked[0] >= ASK_CONTROLLER_AFTER_S - 0.01, asked  # after a long wait only
+
+
+def test_a_collective_that_completes_at_once_asks_nothing() -> None:
+    store = torch.distributed.HashStore()
+    asked: list[int] = []
+    results: list[torch.Tensor] = []
+
+    def rank(index: int) -> None:
+        group = GenerationGroup(store, "quick", 1, index, 2, "gloo", 20.0, torch.device("cpu"),
+                                ask_controller=lambda: asked.append(index))
+        for _ in range(20):
+            tensor = torch.full((4,), float(index + 1))
+            group.allreduce_sum(tensor)
+        results.append(tensor)
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(results) == 2 and all(torch.equal(tensor, torch.full((4,), 3.0)) for tensor in results)
+    assert asked == []
