@@ -36,6 +36,7 @@ STUCK_AFTER_S = 1.0
 WATCH_EVERY_S = 0.5
 _watcher_lock = threading.Lock()
 _watcher: threading.Thread | None = None
+_moved_news = threading.Condition()  # notified whenever a move is found (``ControllerClient.wait_for_move``)
 
 
 def _cut_off_moved(old: str, new: str, found_by: ControllerClient | None = None) -> None:
@@ -45,6 +46,8 @@ def _cut_off_moved(old: str, new: str, found_by: ControllerClient | None = None)
     for other in list(_FOLLOWERS):
         if other is not found_by and other.address == old:
             other._cut_off()
+    with _moved_news:
+        _moved_news.notify_all()
 
 
 def _watch_for_moves() -> None:
@@ -136,6 +139,20 @@ class ControllerClient:
         self._move_to(address)
         _cut_off_moved(old, address, found_by=self)
         return True
+
+    def wait_for_move(self, seconds: float) -> None:
+        """Sleep up to ``seconds`` before a retry, but return as soon as this process knows the
+        controller moved from this client's address (another thread of it found the new leader):
+        an agent's poll then reaches a new controller at once, not at the end of its pause."""
+        deadline = time.monotonic() + seconds
+        with _moved_news:
+            while self.locator is not None and self.address not in _MOVED:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                _moved_news.wait(left)
+        if self.locator is None:
+            time.sleep(max(0.0, deadline - time.monotonic()))
 
     def _cut_off(self) -> None:
         """End the request another thread has in flight on this client's connection (it then fails and

@@ -129,3 +129,31 @@ def test_a_request_stuck_on_a_frozen_leader_follows_the_move_the_watcher_finds()
         assert answers == [{"from": "new leader"}] and client.address == cluster.new_address
     finally:
         cluster.close()
+
+
+def test_a_pause_before_a_retry_ends_when_another_thread_finds_the_move() -> None:
+    """An agent whose poll found no controller (the dead leader's lease not yet expired) pauses before
+    it polls again; its beat thread finding the new leader ends that pause at once, so its poll
+    reaches the new controller then, not a whole pause later."""
+    cluster = _Cluster()
+    try:
+        located: list[str | None] = [None]
+        poll = ControllerClient(cluster.frozen_address, "token", timeout=0.3, locator=lambda: located[0])
+        beat = ControllerClient(cluster.frozen_address, "token", timeout=0.3, locator=lambda: located[0])
+
+        def new_leader_found_by_the_beat() -> None:
+            time.sleep(0.3)
+            located[0] = cluster.new_address
+            beat.post("/agent/beat", {})  # times out on the frozen leader, then relocates
+
+        threading.Thread(target=new_leader_found_by_the_beat, daemon=True).start()
+        paused = time.monotonic()
+        poll.wait_for_move(10.0)
+        assert time.monotonic() - paused < 3.0
+        assert poll.post("/agent/poll", {}) == {"from": "new leader"}
+        fixed = ControllerClient(cluster.new_address, "token")  # no locator: a plain pause
+        paused = time.monotonic()
+        fixed.wait_for_move(0.2)
+        assert time.monotonic() - paused >= 0.2
+    finally:
+        cluster.close()

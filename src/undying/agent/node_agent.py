@@ -228,7 +228,7 @@ class Agent(NodeWorkers):
             except ControllerUnreachable:
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.2)
+                self.client.wait_for_move(0.2)
                 continue
             if not reply.accepted:
                 if probe:
@@ -275,7 +275,7 @@ class Agent(NodeWorkers):
                 if time.monotonic() - unreachable_since > self.spec.node_return_timeout:
                     print(f"undying agent {self.node}: controller unreachable, stopping", file=sys.stderr)
                     return EXIT_NODE_LEFT
-                time.sleep(min(1.0, self.spec.monitor_interval))
+                self.client.wait_for_move(min(1.0, self.spec.monitor_interval))
                 continue
             if self._stop_asked_at is not None and order.kind != OrderKind.EXIT \
                     and time.monotonic() - self._stop_asked_at > self.spec.stop_timeout + STOP_MARGIN_S:

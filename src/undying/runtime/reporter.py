@@ -203,7 +203,7 @@ class Reporter:
                 plan = Plan.from_dict(self._client.post(ROUTE_WORKER_RECOVER, request.to_dict(),
                                                         timeout=request.wait + 3.0, held=request.wait))
             except ControllerUnreachable:
-                time.sleep(0.2)
+                self._client.wait_for_move(0.2)  # or sooner: the heartbeat thread found the new leader
                 continue
             if plan.action != PlanAction.WAIT:
                 return plan
