@@ -58,7 +58,11 @@ def _watch_for_moves() -> None:
         stuck: dict[str, ControllerClient] = {}
         for client in list(_FOLLOWERS):
             since = client._in_flight_since
-            if since is not None and now - since > client._held + STUCK_AFTER_S and client.address not in _MOVED:
+            if since is None or now - since <= client._held + STUCK_AFTER_S:
+                continue
+            if client.address in _MOVED:
+                client._cut_off()  # a request to an address known to have moved: it follows the move
+            else:
                 stuck.setdefault(client.address, client)
         for address, client in stuck.items():
             try:
@@ -215,6 +219,12 @@ class ControllerClient:
             conn = self._connection(wait)
             try:
                 conn.request(method, path, body=body, headers=headers)
+                if self.locator is not None and self.address in _MOVED:
+                    # The move was found while this request connected, too early for its cut-off to
+                    # reach this socket: follow it now rather than wait on the old controller.
+                    self.close()
+                    self._follow_known_move()
+                    continue
                 response = conn.getresponse()
                 data = response.read()
                 if response.status == 503 and attempt < 3 and self._relocate():
