@@ -3,13 +3,15 @@
 For each scenario the same GPT job (2 simulated nodes x 2 workers, 60 steps, a checkpoint
 every 10 steps) runs with one fault injected at step 35, several times. From the event
 logs it measures detection latency (fault -> detected), MTTR (fault -> every rank has
-completed its first step after it), steps lost, and the steady-state step rate of the
-fault-free runs. The torchrun baseline runs the same model with stock DDP under
+completed its first step after it) cut into its phases (bench/phases.py: detect, decide, start
+processes, wait for plan, group rebuild, state transfer, first step; a job restart: restart,
+restore, first step), steps lost, and the steady-state step rate of the fault-free runs. The torchrun baseline runs the same model with stock DDP under
 ``torchrun --max-restarts`` (2 agents on loopback) and ``torch.save`` every 10 steps. The
 TorchFT rows (the ``bench`` extra) run it as 2 replica groups x 2 ranks, one torchrun each,
 around a lighthouse the benchmark starts (bench/torchft_train.py).
 
     python bench/recovery.py --repeats 3 --out bench/results/recovery.json
+    python bench/recovery.py --table bench/results/recovery.json   # its tables again, phases included
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "bench"))
+from phases import recovery_phases  # noqa: E402
+
 from undying import events as ev  # noqa: E402
 from undying.events import read_events  # noqa: E402
 
@@ -123,6 +128,7 @@ def measure_undying(extra: list[str], tree: Path = REPO) -> dict:
             last_first = max(e.time for e in firsts if e.generation == generation)
             record["mttr_seconds"] = round(last_first - fault.time, 3)
             record["steps_lost"] = fault.step - firsts[0].details["resumed_from"]
+            record["phases"] = recovery_phases(events, fault.time)
         record["restarted_processes"] = len([e for e in events if e.kind == ev.WORKER_READY and e.time > fault.time])
         record["warm_replacements"] = sum(log.read_text(errors="replace").count("(replacement, warm standby)")
                                           for log in (run_dir / "logs").glob("rank*.log"))
@@ -289,6 +295,11 @@ def summarize(runs: list[dict]) -> dict:
             summary[f"all_{key}"] = values
     if any("rejoined" in run for run in runs):
         summary["rejoined_runs"] = sum(1 for run in runs if run.get("rejoined"))
+    phases = [run["phases"] for run in runs if run.get("phases")]
+    if phases:
+        names = list(dict.fromkeys(name for run in phases for name in run))
+        summary["median_phases"] = {name: round(statistics.median(run[name] for run in phases if name in run), 3)
+                                    for name in names}
     stalls = [stall for run in runs for stall in run.get("checkpoint_stall_seconds", [])]
     if stalls:
         summary["median_checkpoint_stall_seconds"] = round(statistics.median(stalls), 4)
@@ -322,6 +333,19 @@ def markdown_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def phase_table(results: dict[str, dict]) -> str:
+    """Where each scenario's MTTR goes: the median of each phase over its runs (markdown)."""
+    rows = {name: summary["median_phases"] for name, summary in results.items() if summary.get("median_phases")}
+    if not rows:
+        return "(no phases recorded)"
+    names = list(dict.fromkeys(phase for phases in rows.values() for phase in phases))
+    lines = ["| scenario | " + " | ".join(phase.replace("_", " ") for phase in names) + " |",
+             "|" + " --- |" * (len(names) + 1)]
+    for scenario, phases in rows.items():
+        lines.append(f"| {scenario} | " + " | ".join(str(phases.get(phase, "-")) for phase in names) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", help="print the markdown table of an existing results file and exit")
@@ -330,7 +354,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "recovery.json"))
     args = parser.parse_args()
     if args.table:
-        print(markdown_table(json.loads(Path(args.table).read_text())["results"]))
+        table = json.loads(Path(args.table).read_text())["results"]
+        print(markdown_table(table) + "\n\n" + phase_table(table))
         return
     results: dict[str, dict] = {}
     plan: list[tuple[str, Callable[[], dict]]] = [(name, partial(measure_undying, extra))
@@ -361,6 +386,7 @@ def main() -> None:
     for name, summary in results.items():
         print(f"{name:48} {summary.get('median_detect_seconds', '-'):>9} {summary.get('median_mttr_seconds', '-'):>8} "
               f"{summary.get('median_steps_lost', '-'):>5} {summary.get('median_steps_per_second', '-'):>8}")
+    print("\n" + phase_table(results))
 
 
 if __name__ == "__main__":
