@@ -333,12 +333,18 @@ def markdown_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+# The phases in the order a recovery goes through them (a job restart: restart, restore, first step).
+PHASE_ORDER = ["detect", "decide", "start_processes", "wait_for_plan", "group_rebuild", "state_transfer", "restart",
+               "restore", "first_step"]
+
+
 def phase_table(results: dict[str, dict]) -> str:
     """Where each scenario's MTTR goes: the median of each phase over its runs (markdown)."""
     rows = {name: summary["median_phases"] for name, summary in results.items() if summary.get("median_phases")}
     if not rows:
         return "(no phases recorded)"
-    names = list(dict.fromkeys(phase for phases in rows.values() for phase in phases))
+    seen = {phase for phases in rows.values() for phase in phases}
+    names = [phase for phase in PHASE_ORDER if phase in seen] + sorted(seen - set(PHASE_ORDER))
     lines = ["| scenario | " + " | ".join(phase.replace("_", " ") for phase in names) + " |",
              "|" + " --- |" * (len(names) + 1)]
     for scenario, phases in rows.items():
