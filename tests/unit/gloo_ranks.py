@@ -14,16 +14,19 @@ from undying.runtime.pg import GenerationGroup
 JOIN_S = 60
 
 
-def run_ranks(world_size: int, body: Callable[[GenerationGroup], Any], prefix: str = "test") -> list[Any]:
-    """``body(group)`` on ``world_size`` threads, one gloo group each; their results in rank order.
-    A rank's exception is raised here; a rank still running after JOIN_S fails the test."""
+def run_ranks(world_size: int, body: Callable[[GenerationGroup], Any], prefix: str = "test",
+              options: Callable[[int], dict[str, Any]] = lambda _rank: {}) -> list[Any]:
+    """``body(group)`` on ``world_size`` threads, one gloo group each (``options(rank)``: more keyword
+    arguments of its ``GenerationGroup``); their results in rank order. A rank's exception is raised
+    here; a rank still running after JOIN_S fails the test."""
     store = torch.distributed.HashStore()
     results: list[Any] = [None] * world_size
     errors: list[BaseException] = []
 
     def rank(index: int) -> None:
         try:
-            group = GenerationGroup(store, prefix, 1, index, world_size, "gloo", 20.0, torch.device("cpu"))
+            group = GenerationGroup(store, prefix, 1, index, world_size, "gloo", 20.0, torch.device("cpu"),
+                                    **options(index))
             results[index] = body(group)
         except BaseException as error:  # noqa: BLE001 - re-raised in the test thread
             errors.append(error)

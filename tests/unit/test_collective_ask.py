@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.unit.gloo_ranks import run_ranks
 from undying.runtime import reporter as reporter_module
 from undying.runtime.generation import Generation
 from undying.runtime.pg import ASK_CONTROLLER_AFTER_S, CollectiveError, GenerationGroup
@@ -88,22 +89,14 @@ def test_a_collective_stuck_on_a_silent_peer_hears_the_abort_at_once(monkeypatch
 
 
 def test_a_collective_that_completes_at_once_asks_nothing() -> None:
-    store = torch.distributed.HashStore()
     asked: list[int] = []
-    results: list[torch.Tensor] = []
 
-    def rank(index: int) -> None:
-        group = GenerationGroup(store, "quick", 1, index, 2, "gloo", 20.0, torch.device("cpu"),
-                                ask_controller=lambda: asked.append(index))
+    def body(group: GenerationGroup) -> torch.Tensor:
         for _ in range(20):
-            tensor = torch.full((4,), float(index + 1))
+            tensor = torch.full((4,), float(group.rank + 1))
             group.allreduce_sum(tensor)
-        results.append(tensor)
+        return tensor
 
-    threads = [threading.Thread(target=rank, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert len(results) == 2 and all(torch.equal(tensor, torch.full((4,), 3.0)) for tensor in results)
+    results = run_ranks(2, body, prefix="quick", options=lambda rank: {"ask_controller": lambda: asked.append(rank)})
+    assert all(torch.equal(tensor, torch.full((4,), 3.0)) for tensor in results)
     assert asked == []
