@@ -11,8 +11,10 @@ without one the job trains on without the node (elastic training); a frozen host
 the fault (the injection's event, the SIGSTOP or the SIGTERM) to every rank's first completed step
 after it; detection: from the fault to the controller's first ``agent_lost`` or ``fault_detected``.
 Heartbeats as in the test suite (every 0.5 s, timeout 4 s) unless the row says the spec's defaults
-(every 1 s, timeout 10 s). Runs the test suite's harness (tests/faults/test_real_hosts.py ``Hosts``),
-not a copy.
+(every 1 s, timeout 10 s). Each run's final parameters (``param_sha256`` of its result) are
+compared with a fault-free run of the same job made first (``bitwise_equal``; an elastic shrink
+trains on fewer replicas, so only the rows onto a spare are expected equal). Runs the test suite's
+harness (tests/faults/test_real_hosts.py ``Hosts``), not a copy.
 
     python bench/real_hosts.py --repeats 2 --out bench/results/real_hosts.json
     python bench/real_hosts.py --only frozen --repeats 3
@@ -59,6 +61,12 @@ ELASTIC_CHAIN = FROZEN_CHAIN
 DEFAULT_HEARTBEATS = ["--set", "heartbeat_interval=1.0", "--set", "heartbeat_timeout=10"]
 
 
+def final_digest(run_dir: Path) -> str | None:
+    """The job's final parameter digest (rank 0's result.json in ``run_dir``), None without one."""
+    result = run_dir / "result.json"
+    return json.loads(result.read_text()).get("param_sha256") if result.exists() else None
+
+
 def outcome(events: list[Event], fault_time: float) -> dict[str, Any]:
     """MTTR (None if no step followed the fault) and how the job recovered: the first plan after
     the fault (its strategy and world size), whether a spare was adopted, whether the job restarted."""
@@ -95,7 +103,7 @@ def on_hosts(root: Path, extra: list[str], spare: bool, fault: Callable[[Hosts],
         events = cluster.events()
     finally:
         cluster.close()
-    return outcome(events, fault_time)
+    return {**outcome(events, fault_time), "param_sha256": final_digest(cluster.run_dir(0))}
 
 
 def injected(cluster: Hosts) -> float:
@@ -127,7 +135,7 @@ def simulated_node(root: Path) -> dict[str, Any]:
     run = run_job(root, [*RECOVER, "--standby", "1", "--inject", f"node:node=1:step={KILL_STEP}"],
                   script_args=STEP_SLEEP)
     [injection] = run.kinds(ev.INJECTION)
-    return outcome(run.events, injection.time)
+    return {**outcome(run.events, injection.time), "param_sha256": final_digest(run.run_dir)}
 
 
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
@@ -156,11 +164,16 @@ def main() -> None:
     chosen = {name: run for name, run in SCENARIOS.items()
               if args.only is None or any(part in name for part in args.only)}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
+    with tempfile.TemporaryDirectory(prefix="undying-hosts-reference-") as tmp:
+        reference = final_digest(run_job(Path(tmp), RECOVER).run_dir)
+    print(f"fault-free reference: {reference}", file=sys.stderr, flush=True)
     for _ in range(args.repeats):
         for name, scenario in chosen.items():
             with tempfile.TemporaryDirectory(prefix="undying-hosts-bench-") as tmp:
                 started = time.time()
-                runs[name].append(scenario(Path(tmp)))
+                record = scenario(Path(tmp))
+                record["bitwise_equal"] = record["param_sha256"] is not None and record["param_sha256"] == reference
+                runs[name].append(record)
                 print(f"{name}: {runs[name][-1]} ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
     summary = {}
     for name, records in runs.items():
@@ -171,10 +184,12 @@ def main() -> None:
                          "median_phases": {phase: statistics.median(record["phases"][phase] for record in records
                                                                     if phase in record["phases"])
                                            for phase in {key for record in records for key in record["phases"]}},
-                         "all_mttr_seconds": values, "runs": records}
+                         "all_mttr_seconds": values,
+                         "bitwise_equal_runs": sum(1 for record in records if record["bitwise_equal"]),
+                         "runs": records}
     report = {"command": " ".join(["python", "bench/real_hosts.py", *sys.argv[1:]]), "kill_step": KILL_STEP,
               "freeze_at_step": FREEZE_AT_STEP, "leave_at_step": LEAVE_AT_STEP,
-              "reschedule_wait_seconds": RESCHEDULE_WAIT, "results": summary}
+              "reschedule_wait_seconds": RESCHEDULE_WAIT, "fault_free_param_sha256": reference, "results": summary}
     print(json.dumps(report, indent=2))
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -4,8 +4,9 @@ Runs in the node agent: ``node_agent.Agent`` is a ``NodeWorkers``, which holds t
 processes and what the agent does with them on the controller's orders (start a generation, replace
 some ranks, stop them all), and tells the controller of each change the moment it sees it: a worker
 that exited (with its log's last lines and its exception), or one stopped (SIGSTOP: a hang) or
-continued, between such reports beating every ``agent_beat_interval`` (0.25 s by default). Each worker is forked from
-the node's warm standby when it has one (``warm_standby.py``), else started as a plain process.
+continued, between such reports beating every ``agent_beat_interval`` (0.25 s by default). Each
+worker is forked from the node's warm standby when it has one (``warm_standby.py``), else started
+as a plain process.
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ class NodeWorkers:
     def _watch_stopped(self) -> None:
         """Tell the controller the moment a worker is stopped (or continued), instead of it waiting
         out heartbeat_timeout: the agent's own poll may be held for monitor_interval. Between such
-        reports, beat every ``spec.agent_beat_interval()``, on a fixed cadence: the controller tells a
-        frozen host (agent and ranks silent together) from a hung rank (its agent still beats) by
+        reports, beat every ``spec.agent_beat_interval()``, on a fixed cadence: the controller tells
+        a frozen host (agent and ranks silent together) from a hung rank (its agent still beats) by
         it, and one beat late under load must not make a live host look frozen."""
         every = self.spec.agent_beat_interval()
         next_beat = time.monotonic()

@@ -114,8 +114,8 @@ class FaultDetector:
         heard from: the host is frozen or cut off, node -> why. A live agent beats every
         ``spec.agent_beat_interval()`` on a connection of its own, whatever its poll and its orders
         are doing, and a stopped worker on a live host is its agent's to report; so one silence of
-        all of them at once is the host's. Empty unless the watchdog acts on hangs; a node without a rank that beats
-        yet (starting, a spare) is left to the longer limits below."""
+        all of them at once is the host's. Empty unless the watchdog acts on hangs; a node without
+        a rank that beats yet (starting, a spare) is left to the longer limits below."""
         if self.watchdog != "on":
             return {}
         limit = self.deadlines.host_silent
