@@ -41,7 +41,10 @@ _moved_news = threading.Condition()  # notified whenever a move is found (``Cont
 
 def _cut_off_moved(old: str, new: str, found_by: ControllerClient | None = None) -> None:
     """The controller at ``old`` moved to ``new``: every client of this process follows it, and the
-    requests in flight to ``old`` are cut off so that they follow it at once."""
+    requests in flight to ``old`` are cut off so that they follow it at once. ``new`` is live now:
+    a move recorded away from it before (a leader back at an address it once held) is forgotten, so
+    moves never form a cycle that a request would follow forever."""
+    _MOVED.pop(new, None)
     _MOVED[old] = new
     for other in list(_FOLLOWERS):
         if other is not found_by and other.address == old:

@@ -186,3 +186,24 @@ def test_a_request_that_connects_as_the_move_is_found_follows_it(monkeypatch) ->
     finally:
         client_module._MOVED.pop(cluster.frozen_address, None)
         cluster.close()
+
+
+def test_a_leader_back_at_an_address_it_once_held_is_reached_there() -> None:
+    """The controller moves from A to B, then back to A (a restarted node on its old port): a request
+    goes to A and is answered there, instead of following a stale move A -> B -> A in a loop."""
+    from undying import client as client_module
+
+    cluster = _Cluster()
+    try:
+        a, b = cluster.new_address, cluster.frozen_address
+        client_module._cut_off_moved(a, b)
+        client_module._cut_off_moved(b, a)
+        assert a not in client_module._MOVED and client_module._MOVED[b] == a
+        client = ControllerClient(b, "token", timeout=2.0, locator=lambda: a)
+        sent = time.monotonic()
+        assert client.post("/worker/heartbeat", {}) == {"from": "new leader"} and client.address == a
+        assert time.monotonic() - sent < 2.0
+    finally:
+        client_module._MOVED.pop(cluster.frozen_address, None)
+        client_module._MOVED.pop(cluster.new_address, None)
+        cluster.close()
