@@ -151,15 +151,16 @@ class ControllerClient:
         """Sleep up to ``seconds`` before a retry, but return as soon as this process knows the
         controller moved from this client's address (another thread of it found the new leader):
         an agent's poll then reaches a new controller at once, not at the end of its pause."""
+        if self.locator is None:
+            time.sleep(seconds)  # a fixed address: nothing can end the pause early
+            return
         deadline = time.monotonic() + seconds
         with _moved_news:
-            while self.locator is not None and self.address not in _MOVED:
+            while self.address not in _MOVED:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
                 _moved_news.wait(left)
-        if self.locator is None:
-            time.sleep(max(0.0, deadline - time.monotonic()))
 
     def _cut_off(self) -> None:
         """End the request another thread has in flight on this client's connection (it then fails and
