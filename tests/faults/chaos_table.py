@@ -1,5 +1,6 @@
 """The chaos soak's table (tests/faults/chaos.py runs the soak): per kind of fault, the recoveries
-it caused, the strategies that handled them, MTTR and detection, read from the job's event log.
+it caused, the strategies that handled them, MTTR, detection and the MTTR's phases, read from the
+job's event log.
 
 Runs in the test (or benchmark) process, after the soak.
 """
@@ -12,15 +13,23 @@ from typing import Any
 
 from tests.faults.chaos import Soak
 from undying import events as ev
+from undying.events import Event
+from undying.report.recovery_phases import phase_bounds
 from undying.report.summary import summarize
+
+# The phases' short names in the table, in the order a recovery goes through them.
+PHASE_NAMES = {"detect": "detect", "decide": "decide", "start processes": "start", "wait for plan": "plan",
+               "group rebuild": "rebuild", "state transfer": "transfer", "restart": "restart",
+               "restore": "restore", "first step": "first step"}
 
 
 def fault_table(soak_run: Soak) -> list[dict[str, Any]]:
     """Per kind of fault: how many were planned, the recoveries they caused, the strategies the chain
     chose (its first answer to each), MTTR (from the fault, the injection claimed or the harness's
     SIGTERM or cut, to the job's first completed step after the recovery) median and max, and
-    detection (from the fault to ``fault_detected``) median. A recovery is the fault's whose action
-    came last before it was detected."""
+    detection (from the fault to ``fault_detected``) median, and the median of each phase of the MTTR
+    (``phases_median_s``: detect, then the phases ``undying report`` draws). A recovery is the
+    fault's whose action came last before it was detected."""
     run, plan = soak_run.run, soak_run.plan
     claims = {event.details["spec"]: event.time for event in run.kinds(ev.INJECTION)}
     causes: list[tuple[float, str]] = []
@@ -33,13 +42,13 @@ def fault_table(soak_run: Soak) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for fault in plan:
         row = rows.setdefault(fault.label(), {"fault": fault.label(), "planned": 0, "recoveries": 0,
-                                              "strategies": Counter(), "mttr": [], "detect": []})
+                                              "strategies": Counter(), "mttr": [], "detect": [], "phases": {}})
         row["planned"] += 1
     for recovery in summarize(run.events).recoveries:
         before = [label for when, label in causes if when <= recovery.fault_time]
         label = before[-1] if before else "(none)"
         row = rows.setdefault(label, {"fault": label, "planned": 0, "recoveries": 0, "strategies": Counter(),
-                                      "mttr": [], "detect": []})
+                                      "mttr": [], "detect": [], "phases": {}})
         row["recoveries"] += 1
         row["strategies"][recovery.strategy or "-"] += 1
         cause = max((when for when, _ in causes if when <= recovery.fault_time), default=None)
@@ -47,26 +56,49 @@ def fault_table(soak_run: Soak) -> list[dict[str, Any]]:
             row["detect"].append(recovery.fault_time - cause)
             if recovery.first_step_time is not None:
                 row["mttr"].append(recovery.first_step_time - cause)
+                phases = {"detect": recovery.fault_time - cause,
+                          **_phases(run.events, recovery.fault_time, recovery.first_step_time)}
+                for name, seconds in phases.items():
+                    row["phases"].setdefault(name, []).append(seconds)
     table = []
     for row in sorted(rows.values(), key=lambda r: r["fault"]):
         table.append({"fault": row["fault"], "planned": row["planned"], "recoveries": row["recoveries"],
                       "strategies": dict(row["strategies"]),
                       "mttr_median_s": round(median(row["mttr"]), 2) if row["mttr"] else None,
                       "mttr_max_s": round(max(row["mttr"]), 2) if row["mttr"] else None,
-                      "detect_median_s": round(median(row["detect"]), 2) if row["detect"] else None})
+                      "detect_median_s": round(median(row["detect"]), 2) if row["detect"] else None,
+                      "phases_median_s": {name: round(median(seconds), 2) for name, seconds in row["phases"].items()}})
     return table
 
 
+def _phases(events: list[Event], detected: float, first_step: float) -> dict[str, float]:
+    """Phase -> seconds of one recovery, from its detection to the first step after it."""
+    within = [event for event in events if detected <= event.time <= first_step]
+    phases, previous = {}, detected
+    for end, label in phase_bounds(within, detected, first_step):
+        phases[label] = end - previous
+        previous = end
+    return phases
+
+
 def markdown(table: list[dict[str, Any]]) -> str:
-    lines = ["| fault | planned | recoveries | strategies | MTTR median s | MTTR max s | detection median s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| fault | planned | recoveries | strategies | MTTR median s | MTTR max s | detection median s | "
+             "phases, median s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in table:
         strategies = ", ".join(f"{name} x{count}" for name, count in sorted(row["strategies"].items())) or "-"
         lines.append(f"| {row['fault']} | {row['planned']} | {row['recoveries']} | {strategies} | "
                      f"{row['mttr_median_s'] if row['mttr_median_s'] is not None else '-'} | "
                      f"{row['mttr_max_s'] if row['mttr_max_s'] is not None else '-'} | "
-                     f"{row['detect_median_s'] if row['detect_median_s'] is not None else '-'} |")
+                     f"{row['detect_median_s'] if row['detect_median_s'] is not None else '-'} | "
+                     f"{_phase_text(row['phases_median_s'])} |")
     return "\n".join(lines)
+
+
+def _phase_text(phases: dict[str, float]) -> str:
+    """The phases in the order a recovery goes through them: ``detect 0.07, decide 0.00, ...``."""
+    named = [f"{PHASE_NAMES[name]} {phases[name]:.2f}" for name in PHASE_NAMES if name in phases]
+    return ", ".join(named) or "-"
 
 
 __all__ = ["fault_table", "markdown"]

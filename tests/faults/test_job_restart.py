@@ -37,7 +37,7 @@ def assert_recovered_bitwise(run: JobRun, reference: JobRun, *reasons: str, sour
 def test_fault_free_runs_are_bitwise_identical(reference_run: JobRun, tmp_path: Path) -> None:
     """The same job again, now with every worker a plain ``python`` process (warm_standby=false)
     instead of a fork of its node's warm standby: the same bits, and no fault detected, not even a
-    host taken for frozen (1.15 s of silence). Every rank's state too,
+    host taken for frozen (0.85 s of silence). Every rank's state too,
     RNG included; and the four data-parallel replicas hold the same parameters and optimizer state."""
     again = run_job(tmp_path, ["--set", "warm_standby=false"])
     assert again.returncode == 0, again.output + again.logs()

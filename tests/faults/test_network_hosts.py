@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.faults,
 
 CUT_AT_STEP = 5
 # A cut long enough that TCP must retransmit, and short enough that with its backoff (200 ms, then
-# 400 ms) the stall mostly stays below the silence a host is lost after (an agent beat, 0.25 s, + 0.9 s
+# 400 ms: a segment sent as the link went down arrives after 0.6 s) the stall mostly stays below the silence a host is lost after (an agent beat, 0.25 s, + 0.6 s
 # here); heartbeat_timeout goes from 4 s to 8 s so that no single rank's late beat acts either.
 SHORT_CUT_S = 0.5
 LONG_HEARTBEAT_TIMEOUT = ["--set", "heartbeat_timeout=8"]

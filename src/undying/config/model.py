@@ -116,7 +116,7 @@ AGENT_BEAT_EVERY = 0.25
 # This much later than an agent's beat was due, with the agent and every rank of its node silent at
 # once, the host is frozen or cut off (bench/detection.py measures the longest silence of a whole
 # node under load; docs/benchmarks.md).
-HOST_SILENCE_SLACK = 0.9
+HOST_SILENCE_SLACK = 0.6
 
 
 class JobSpec(BaseModel):

@@ -132,8 +132,8 @@ class FaultDetector:
         frozen = {node: now - newest[node] for node in judged if now - newest[node] > limit}
         if not frozen or all(now - heard > limit for node, heard in newest.items() if node not in frozen):
             return {}  # nobody else heard either: the controller's own network, not one host
-        return {node: f"neither its agent nor its ranks were heard from for {seconds:.1f} s while other "
-                      f"nodes were (limit {limit:.1f} s): the host is frozen or cut off"
+        return {node: f"neither its agent nor its ranks were heard from for {seconds:.2f} s while other "
+                      f"nodes were (limit {limit:.2f} s): the host is frozen or cut off"
                 for node, seconds in sorted(frozen.items())}
 
     def _ranks_silent_with_their_agent(self, node: NodeRecord, now: float) -> list[int]:

@@ -29,8 +29,11 @@ from undying.store_link import StoreLink
 ABORT_POLL_S = 0.05  # how often a waiting collective checks for an abort from the controller
 # A collective waiting this long may be waiting for a peer that is gone (a frozen host keeps its
 # connections open): from then on it has the controller asked for its word every so often, so an
-# abort reaches it within this, not at the heartbeat thread's next beat (heartbeat_interval).
+# abort reaches it within about ASK_AGAIN_S, not at the heartbeat thread's next beat (heartbeat_interval).
 ASK_CONTROLLER_AFTER_S = 0.25
+# ... and then this often: no more often than a rank that makes progress beats (the reporter's
+# PROGRESS_MIN_SPACING spaces these asks too).
+ASK_AGAIN_S = 0.1
 DEVICE_POLL_MIN_S = 0.0001  # NCCL: first pause between polls of a collective's completion on the GPU
 DEVICE_POLL_MAX_S = 0.002  # ... doubling up to this
 BACKEND_TIMEOUT_S = 1800.0  # the backends' own default (30 minutes), used when watchdog is off
@@ -191,7 +194,7 @@ class GenerationGroup:
             now = time.monotonic()
             if now >= ask_at:
                 self.ask_controller()
-                ask_at = now + ASK_CONTROLLER_AFTER_S
+                ask_at = now + ASK_AGAIN_S
             cause: BaseException | None = None
             if self.should_abort():
                 cause = RuntimeError("the controller aborted this generation")
