@@ -5,7 +5,8 @@ killed at step 20 and kept away (the job shrinks to 1 node after the reschedule 
 finishes there); node 1 killed and back a few seconds later (shrink, then grow back). Each
 in ``accumulate`` and ``grow`` mode. From the sample log (``sample_log: true``: a line per
 rank per committed step, with a timestamp) it reports steps/s and samples/s at full size and
-while shrunk, and from the events the shrink's and the grow's timings.
+while shrunk, and from the events the shrink's and the grow's timings, and the shrink's MTTR cut
+into its phases (bench/phases.py: detect, decide, ... first step).
 
     python bench/elastic.py --steps 200 --grow-steps 600 --out bench/results/elastic.json
 
@@ -26,6 +27,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "bench"))
+from phases import recovery_phases  # noqa: E402
+
 from undying import events as ev  # noqa: E402
 from undying.events import read_events  # noqa: E402
 
@@ -87,6 +91,7 @@ def measure(mode: str, down: int | None, total_steps: int, wait: float) -> dict:
             resumed = min(steps[step][0] for step in shrunk)
             record["first_shrunk_step_after_fault_seconds"] = round(resumed - fault.time, 3)
             record["first_shrunk_step_after_shrink_seconds"] = round(resumed - shrink.time, 3)
+            record["shrink_phases"] = recovery_phases(events, fault.time)
         grow = next((e for e in events if e.kind == ev.ELASTIC_GROW), None)
         if grow is not None:
             returned = next(e for e in events if e.kind == ev.AGENT_REGISTERED and e.time > fault.time)

@@ -120,6 +120,8 @@ def test_killed_node_job_restarts_bitwise_equal(reference_run: JobRun, tmp_path:
     run = run_job(tmp_path, ["--inject", "node:node=1:step=15:committed=10"])
     assert_recovered_bitwise(run, reference_run, "agent_lost")
     assert run.kinds(ev.AGENT_RESPAWNED), "the lost node's agent must come back"
+    # The node's ranks marked reaching the fault's step in the node's shared memory, gone with the job.
+    assert not (run.run_dir / "injections").exists(), sorted(entry.name for entry in run.run_dir.iterdir())
 
 
 def test_hung_worker_is_detected_and_restarted(reference_run: JobRun, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -87,7 +88,7 @@ def test_a_collective_stuck_on_a_silent_peer_hears_the_abort_at_once(monkeypatch
     asked = [at - began[0] for at in beats if at > began[0]]
     assert len(asked) >= 3 and asked[0] >= ASK_CONTROLLER_AFTER_S - 0.01, asked  # after a long wait only
     # ... and then again every ASK_AGAIN_S, not every ASK_CONTROLLER_AFTER_S: the abort is heard soon.
-    gaps = sorted(later - earlier for earlier, later in zip(asked, asked[1:]))
+    gaps = sorted(later - earlier for earlier, later in pairwise(asked))
     assert gaps[len(gaps) // 2] < (ASK_AGAIN_S + ASK_CONTROLLER_AFTER_S) / 2, asked
 
 

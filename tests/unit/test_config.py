@@ -141,6 +141,21 @@ def test_heartbeat_timeout_must_exceed_interval() -> None:
         )
 
 
+def test_host_silence_timeout_above_the_agents_beat_interval() -> None:
+    assert load_job_spec().host_silence_limit() == pytest.approx(0.85)  # null: an agent beat + 0.6 s
+    assert load_job_spec(overrides={"host_silence_timeout": 2}).host_silence_limit() == 2.0
+    # Never past heartbeat_timeout: a rank silent that long is hung anyway.
+    assert load_job_spec(overrides={"host_silence_timeout": 20}).host_silence_limit() == 10.0
+    error = spec_error({"host_silence_timeout": 0.25})
+    assert error.field == "host_silence_timeout"
+    assert str(error) == (
+        "job spec: host_silence_timeout: must be greater than the agents' beat interval (a live host is silent "
+        "that long between beats); allowed: > 0.25 (0.25, or heartbeat_interval / 2 if shorter), or null (got 0.25)"
+    )
+    assert spec_error({"host_silence_timeout": 0.1, "heartbeat_interval": 0.2}).field == "host_silence_timeout"
+    assert load_job_spec(overrides={"host_silence_timeout": 0.2, "heartbeat_interval": 0.3}).host_silence_limit() == 0.2
+
+
 def test_min_nodes_between_one_and_nnodes() -> None:
     assert load_job_spec(overrides={"nnodes": 4, "min_nodes": 1}).min_nodes == 1
     assert load_job_spec(overrides={"nnodes": 4, "min_nodes": 4}).min_nodes == 4

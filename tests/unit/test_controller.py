@@ -975,7 +975,7 @@ def test_a_frozen_host_is_lost_a_heartbeat_interval_after_its_last_beat_not_rest
     and recovered (recover), not first given a hopeless recover-in-place."""
     job = recovering_job(make_job, heartbeat_interval=0.5, heartbeat_timeout=3.0)
     assert job.spec.agent_beat_interval() == pytest.approx(0.25)
-    assert job.spec.host_silence_timeout() == pytest.approx(0.85)
+    assert job.spec.host_silence_limit() == pytest.approx(0.85)
     frozen_at = job.now()
     while not job.events(ev.DECISION) and job.now() - frozen_at < 6.0:
         for rank in (0, 1):
@@ -987,6 +987,23 @@ def test_a_frozen_host_is_lost_a_heartbeat_interval_after_its_last_beat_not_rest
     [decision] = job.events(ev.DECISION)
     assert (decision.details["strategy"], decision.details["lost_ranks"]) == ("recover", [2, 3])
     assert 0.85 <= job.now() - frozen_at < 1.35
+
+
+def test_host_silence_timeout_sets_how_long_a_silent_host_is_waited_for(make_job):
+    """The spec's ``host_silence_timeout`` replaces the default limit (an agent beat + the slack):
+    a host silent 1.2 s is not lost under a 1.5 s limit, and is lost once the 1.5 s have passed."""
+    job = recovering_job(make_job, heartbeat_interval=0.5, heartbeat_timeout=3.0, host_silence_timeout=1.5)
+    assert job.spec.host_silence_limit() == pytest.approx(1.5)
+    frozen_at = job.now()
+    while not job.events(ev.DECISION) and job.now() - frozen_at < 6.0:
+        for rank in (0, 1):
+            job.beat(rank, 7)
+        job.poll(0, 1, job.statuses(0, 1), wait=0.05)
+        if job.now() - frozen_at < 1.2:
+            assert job.events(ev.AGENT_LOST) == []
+    [lost] = job.events(ev.AGENT_LOST)
+    assert lost.node == 1 and "limit 1.50 s" in lost.details["why"], lost.details
+    assert 1.5 <= job.now() - frozen_at < 2.0
 
 
 def test_a_host_is_not_taken_for_frozen_while_its_agent_beats_or_when_no_node_is_heard(make_job):

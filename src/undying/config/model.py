@@ -141,6 +141,10 @@ class JobSpec(BaseModel):
     comm_timeout: float = Field(30.0, gt=0)
     heartbeat_interval: float = Field(1.0, gt=0)
     heartbeat_timeout: float = Field(10.0, gt=0)
+    # Seconds a node's agent and all its ranks may be silent together (while other nodes are heard)
+    # before its host counts as frozen or cut off (None: an agent beat + HOST_SILENCE_SLACK, 0.85 s).
+    # Raise it where network outages of about a second must pass without a recovery.
+    host_silence_timeout: float | None = Field(None, gt=0)
     start_timeout: float = Field(300.0, gt=0)
     # Seconds a live rank may go without committing a step before it counts as hung (None: off).
     step_timeout: float | None = Field(None, gt=0)
@@ -201,6 +205,7 @@ class JobSpec(BaseModel):
         "comm_timeout",
         "heartbeat_interval",
         "heartbeat_timeout",
+        "host_silence_timeout",
         "start_timeout",
         "step_timeout",
         "node_return_timeout",
@@ -281,6 +286,13 @@ class JobSpec(BaseModel):
                 self.heartbeat_timeout,
                 field="heartbeat_timeout",
             )
+        if self.host_silence_timeout is not None and self.host_silence_timeout <= self.agent_beat_interval():
+            raise spec_rule(
+                "must be greater than the agents' beat interval (a live host is silent that long between beats)",
+                f"> {self.agent_beat_interval():g} (0.25, or heartbeat_interval / 2 if shorter), or null",
+                self.host_silence_timeout,
+                field="host_silence_timeout",
+            )
         for field, value in (("straggler_strategy", self.straggler_strategy),
                              ("bad_step_transient", self.bad_step_transient)):
             if value == "switch" and not self.process_recover:
@@ -306,12 +318,13 @@ class JobSpec(BaseModel):
         ``heartbeat_interval`` where that is shorter."""
         return min(AGENT_BEAT_EVERY, self.heartbeat_interval / 2)
 
-    def host_silence_timeout(self) -> float:
+    def host_silence_limit(self) -> float:
         """Seconds of silence from a node's agent and every rank of it after which the controller
-        takes the host for frozen or cut off (while another node is heard from): one agent beat
-        interval plus ``HOST_SILENCE_SLACK``, never more than ``heartbeat_timeout``. A worker's
-        fence before it applies a step (its lease) is half of this."""
-        return min(self.heartbeat_timeout, self.agent_beat_interval() + HOST_SILENCE_SLACK)
+        takes the host for frozen or cut off (while another node is heard from): ``host_silence_timeout``,
+        by default one agent beat interval plus ``HOST_SILENCE_SLACK``; never more than
+        ``heartbeat_timeout``. A worker's fence before it applies a step (its lease) is half of this."""
+        chosen = self.host_silence_timeout
+        return min(self.heartbeat_timeout, chosen if chosen is not None else self.agent_beat_interval() + HOST_SILENCE_SLACK)
 
     def reschedule_wait(self) -> float:
         """Seconds to wait for a lost node to come back before elastic training shrinks the job:

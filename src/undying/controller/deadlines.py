@@ -71,7 +71,7 @@ class Deadlines:
             recovery=spec.start_timeout + spec.comm_timeout,
             grow_start=spec.start_timeout,
             heartbeat=spec.heartbeat_timeout,
-            host_silent=spec.host_silence_timeout(),
+            host_silent=spec.host_silence_limit(),
             start=spec.start_timeout,
             step=spec.step_timeout,
             reschedule_wait=spec.reschedule_wait(),

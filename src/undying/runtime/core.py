@@ -50,6 +50,7 @@ from undying.runtime.step_loop import StepLoop
 from undying.runtime.step_transaction import StepTransaction
 from undying.runtime.step_value import Step
 from undying.runtime.training_state import Stateful, TrainingState
+from undying.shm import node_dir
 from undying.strategy_names import StrategyName
 from undying.worker_env import WorkerEnv, worker_env_of_this_process
 
@@ -90,7 +91,7 @@ class Runtime:
         self.injections = InjectionPoints(decode(env.injections_text), self.reporter, self.rank, self.node,
                                           self.local_rank,
                                           lambda step: any(c.step == step for c in root.list_committed()),
-                                          self.run_dir / "injections", env.local_world_size)
+                                          _node_fault_markers(env), env.local_world_size)
         self.draws = DrawLedger()  # a batch carried into a step in a variable (runtime/carried_batches.py)
         self.finished = False
         # Its own bounded store connection: a mirror write happens every step, and a store whose
@@ -334,3 +335,11 @@ def init() -> Runtime:
         runtime = _runtime
         install_exit_hooks(lambda: runtime.finished)
     return _runtime
+
+
+def _node_fault_markers(env: WorkerEnv) -> Path | None:
+    """Where the node's local ranks mark reaching a node fault's step: in the node's shared-memory
+    directory, which its agent removes at the end of the job (node 0's launcher removes the job's
+    on its machine; a later job's agent removes one whose owners are all gone), so no marker stays
+    in the run directory. None standalone (no node, no node faults)."""
+    return node_dir(env.job_id, env.node) / "injections" if env.job_id else None

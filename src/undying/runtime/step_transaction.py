@@ -194,7 +194,7 @@ class StepTransaction:
         # all-reduce may have completed from bytes its peers sent before they gave the step up. A
         # rank heard from lately applies the step every rank voted for, even if a peer has died
         # since: its peers apply it too, and a recovery starts from it.
-        if self.spec.watchdog == "on" and self.reporter.confirm_generation(lease=self.spec.host_silence_timeout() / 2) \
+        if self.spec.watchdog == "on" and self.reporter.confirm_generation(lease=self.spec.host_silence_limit() / 2) \
                 and self.membership.aborted():
             self.fail("the controller aborted this generation while this rank was silent")
             return False
