@@ -129,6 +129,13 @@ class SimulatedJob:
         return (lambda now: self.machine.agent_report(now, poll),
                 lambda now: self.machine.take_order(now, self.machine.membership.nodes[node]))
 
+    def agent_beat(self, node: int) -> Callable[[float], Any]:
+        """An agent's beat (agent/workers.py): a report with no statuses, on a connection of its own."""
+        pid, host = self.agents[node]
+        beat = AgentPoll(node, max(self.spawned[node * NPROC:(node + 1) * NPROC]), [], wait=0.0, pid=pid,
+                         hostname=host)
+        return lambda now: self.machine.agent_report(now, beat)
+
     def take_order(self, node: int) -> Any:
         """A held poll woken by an order: the agent leaves with it."""
         record = self.machine.membership.nodes[node]
@@ -162,14 +169,16 @@ class SimulatedJob:
 
     def run_steady(self, seconds: float, silent: int = -1) -> dict[str, float]:
         """``seconds`` of training: each rank beats once per heartbeat_interval, each agent polls
-        once per monitor_interval (both spread evenly), the loop ticks every TICK. Node ``silent``
-        (its host just died) neither polls nor beats."""
+        once per monitor_interval and beats once per agent beat interval (each spread evenly), the
+        loop ticks every TICK. Node ``silent`` (its host just died) neither polls nor beats."""
         beat_every, poll_every = self.spec.heartbeat_interval, self.spec.monitor_interval
+        agent_every = self.spec.agent_beat_interval()
         slots = round(seconds / TICK)
         beat_phase = [rank * beat_every / self.ranks for rank in range(self.ranks)]
         poll_phase = [node * poll_every / self.nnodes for node in range(self.nnodes)]
-        cpu = {"heartbeats": 0.0, "polls": 0.0, "ticks": 0.0}
-        counts = {"heartbeats": 0, "polls": 0, "ticks": 0, "news_ticks": 0, "wakes_before": 0}
+        agent_phase = [node * agent_every / self.nnodes for node in range(self.nnodes)]
+        cpu = {"heartbeats": 0.0, "agent_beats": 0.0, "polls": 0.0, "ticks": 0.0}
+        counts = {"heartbeats": 0, "agent_beats": 0, "polls": 0, "ticks": 0, "news_ticks": 0, "wakes_before": 0}
 
         def shell_calls(kind: str, calls: list[Callable[[float], Any]], news: News, woke_before: bool) -> None:
             """The calls as the shell makes them: a call with news is followed by a tick (timed
@@ -201,10 +210,14 @@ class SimulatedJob:
             polls = [call for node in range(self.nnodes)
                      if _due(poll_phase[node], poll_every, begin, end) and node != silent
                      for call in self.poll_calls(node)]
+            agent_beats = [self.agent_beat(node) for node in range(self.nnodes)
+                           if _due(agent_phase[node], agent_every, begin, end) and node != silent]
             shell_calls("heartbeats", beats, News.NEVER, woke_before=False)
+            shell_calls("agent_beats", agent_beats, News.NEVER, woke_before=False)
             shell_calls("polls", polls, News.IF_EFFECTS, woke_before=True)
             cpu["ticks"] += self.tick()
             counts["heartbeats"] += len(beats)
+            counts["agent_beats"] += len(agent_beats)
             counts["polls"] += len(polls) // 2
             counts["ticks"] += 1
         assert self.machine.state is JobState.RUNNING, self.machine.state
