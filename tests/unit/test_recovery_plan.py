@@ -31,6 +31,26 @@ def recovery(strategy: str = RECOVER_IN_PLACE, survivors: set[int] | None = None
                           newcomers={3} if newcomers is None else newcomers)
 
 
+def test_readiness_scans_the_ranks_only_once_the_counts_allow_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every check-in asks whether the recovery is ready: 16k ranks checking in one by one must not
+    each scan every rank (the controller spent 20 s of CPU handing out one plan). Until as many
+    survivors and newcomers are in as it waits for, the answer comes from the counts alone."""
+    ranks = 1000
+    active = recovery(survivors=set(range(ranks - 1)), newcomers={ranks - 1})
+    active.members = list(range(ranks))
+    scans = []
+    missing = ActiveRecovery.missing
+    monkeypatch.setattr(ActiveRecovery, "missing", lambda self: scans.append(1) or missing(self))
+    answers = []
+    for rank in range(ranks - 1):
+        active.checked_in[rank] = 7
+        answers.append(active.ready())
+    active.newcomers_ready.add(ranks - 1)
+    answers.append(active.ready())
+    assert answers == [False] * (ranks - 1) + [True]
+    assert len(scans) <= 2, len(scans)
+
+
 def test_waits_for_every_survivor_and_every_newcomer():
     active = recovery()
     assert active.missing() == [0, 1, 2, 3]
