@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from undying import events as ev  # noqa: E402
 from undying.events import Event  # noqa: E402
-from undying.report.recovery_phases import phase_bounds  # noqa: E402
+from undying.report.recovery_phases import phase_seconds  # noqa: E402
 
 
 def recovery_phases(events: list[Event], fault_time: float) -> dict[str, float]:
@@ -27,9 +27,7 @@ def recovery_phases(events: list[Event], fault_time: float) -> dict[str, float]:
     if not firsts:
         return {}
     stop = max(e.time for e in firsts if e.generation == firsts[0].generation)
-    phases = {"detect": round(detected.time - fault_time, 3)}
-    previous = detected.time
-    for time, label in phase_bounds([e for e in after if e.time <= stop], detected.time, stop):
-        phases[label.replace(" ", "_")] = round(time - previous, 3)
-        previous = time
-    return phases
+    within = [e for e in after if e.time <= stop]
+    return {"detect": round(detected.time - fault_time, 3),
+            **{label.replace(" ", "_"): round(seconds, 3)
+               for label, seconds in phase_seconds(within, detected.time, stop).items()}}

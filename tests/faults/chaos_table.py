@@ -13,8 +13,7 @@ from typing import Any
 
 from tests.faults.chaos import Soak
 from undying import events as ev
-from undying.events import Event
-from undying.report.recovery_phases import phase_bounds
+from undying.report.recovery_phases import phase_seconds
 from undying.report.summary import summarize
 
 # The phases' short names in the table, in the order a recovery goes through them.
@@ -56,8 +55,9 @@ def fault_table(soak_run: Soak) -> list[dict[str, Any]]:
             row["detect"].append(recovery.fault_time - cause)
             if recovery.first_step_time is not None:
                 row["mttr"].append(recovery.first_step_time - cause)
+                within = [e for e in run.events if recovery.fault_time <= e.time <= recovery.first_step_time]
                 phases = {"detect": recovery.fault_time - cause,
-                          **_phases(run.events, recovery.fault_time, recovery.first_step_time)}
+                          **phase_seconds(within, recovery.fault_time, recovery.first_step_time)}
                 for name, seconds in phases.items():
                     row["phases"].setdefault(name, []).append(seconds)
     table = []
@@ -69,16 +69,6 @@ def fault_table(soak_run: Soak) -> list[dict[str, Any]]:
                       "detect_median_s": round(median(row["detect"]), 2) if row["detect"] else None,
                       "phases_median_s": {name: round(median(seconds), 2) for name, seconds in row["phases"].items()}})
     return table
-
-
-def _phases(events: list[Event], detected: float, first_step: float) -> dict[str, float]:
-    """Phase -> seconds of one recovery, from its detection to the first step after it."""
-    within = [event for event in events if detected <= event.time <= first_step]
-    phases, previous = {}, detected
-    for end, label in phase_bounds(within, detected, first_step):
-        phases[label] = end - previous
-        previous = end
-    return phases
 
 
 def markdown(table: list[dict[str, Any]]) -> str:

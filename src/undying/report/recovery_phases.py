@@ -43,6 +43,16 @@ def phase_bounds(within: list[Event], start: float, stop: float) -> list[tuple[f
                      (stop, FIRST_STEP)], start)
 
 
+def phase_seconds(within: list[Event], start: float, stop: float) -> dict[str, float]:
+    """Label -> seconds of each phase between ``start`` and ``stop`` (``phase_bounds``'s, as durations)."""
+    seconds: dict[str, float] = {}
+    previous = start
+    for time, label in phase_bounds(within, start, stop):
+        seconds[label] = time - previous
+        previous = time
+    return seconds
+
+
 def _ordered(bounds: list[tuple[float | None, str]], start: float) -> list[tuple[float, str]]:
     """The bounds that exist, each no earlier than the one before."""
     kept: list[tuple[float, str]] = []
