@@ -32,6 +32,9 @@ class HeldStore:
     def delete_key(self, key: str) -> bool:
         return True
 
+    def check(self, keys: list[str]) -> bool:
+        return False  # an empty store: no index listed before
+
 
 class Group:
     world_size = 1
@@ -104,7 +107,7 @@ def test_the_vote_waits_for_the_next_steps_rng_to_be_in_the_store() -> None:
     store.release.set()
     voting.join(10)
     assert committed == [True]
-    assert group.keys_at_vote == ["job/rng/2/8"], group.keys_at_vote
+    assert group.keys_at_vote == ["job/rng/2/8", "job/rng/2/index"], group.keys_at_vote
 
 
 def test_the_write_starts_when_the_last_forward_ends_and_is_not_repeated_at_the_commit() -> None:
@@ -114,8 +117,8 @@ def test_the_write_starts_when_the_last_forward_ends_and_is_not_repeated_at_the_
     step.forward_done()  # once a step
     store.release.set()
     assert step.commit()
-    assert store.keys == ["job/rng/2/8"], store.keys
-    assert group.keys_at_vote == ["job/rng/2/8"]
+    assert store.keys == ["job/rng/2/8", "job/rng/2/index"], store.keys
+    assert group.keys_at_vote == store.keys
 
 
 def test_rng_drawn_after_the_forward_is_written_again_before_the_vote() -> None:
@@ -125,5 +128,5 @@ def test_rng_drawn_after_the_forward_is_written_again_before_the_vote() -> None:
     step.forward_done()
     torch.rand(3)  # the step draws after its forward: the early write is not the state to mirror
     assert step.commit()
-    assert store.keys == ["job/rng/2/8", "job/rng/2/8"], store.keys
+    assert store.keys == ["job/rng/2/8", "job/rng/2/index"] * 2, store.keys
     assert group.keys_at_vote == store.keys

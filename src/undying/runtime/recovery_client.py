@@ -213,6 +213,7 @@ class RecoveryClient:
 
     def _committed(self, step: int) -> None:
         self.state.committed_step = step
+        self.rng_mirror.forget_written(abandon=self.membership.aborted)
         self.rng_mirror.write_rng(step, self.state.mark_commit_boundary(), abandon=self.membership.aborted)
 
     def _agree_on_t1(self, plan: Plan, group: GenerationGroup) -> T1Decision:

@@ -16,6 +16,15 @@ that stops answering never fails a step: the mirror is best effort, and a missin
 an ``rng_not_mirrored`` event (the replacement then keeps its own RNG state). Every store
 call is bounded (runtime/bounded_store.py): a store whose host froze costs a step at most
 a few seconds, once.
+
+Only a change is written. A step whose state is the one last mirrored (a script that draws no
+random number in its steps: no dropout, no random augmentation) costs no store trip and no trip
+to the mirror's thread: the key of the step where the state last changed holds it for every step
+since. Each rank's key also lists, under ``.../index``, the steps whose keys it keeps (the last
+``KEEP`` changes), written in the same trip as each change; a reader asking for a step without a
+key of its own takes the newest listed step not after it. This holds because a rank writes (or
+finds unchanged) its state at every commit boundary before it votes: between two listed steps
+the state did not change.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from undying.runtime.bounded_store import BoundedStore, connect_bounded
 from undying.runtime.event_sink import EventSink
 from undying.runtime.rng import capture_rng, rng_from_bytes, rng_to_bytes
 
-KEEP = 3  # steps of mirrored RNG state kept per rank
+KEEP = 3  # changes of mirrored RNG state kept per rank (each under the step where it was first seen)
 MIRROR_TIMEOUT_S = 5.0  # the job store: a write takes milliseconds unless its host froze
 BACKUP_TIMEOUT_S = 2.0  # a backup store that does not answer within this is dropped
 ABANDON_POLL_S = 0.05  # how often a wait for the mirror asks whether to give it up
@@ -41,6 +50,54 @@ ABANDON_POLL_S = 0.05  # how often a wait for the mirror asks whether to give it
 
 def bounded(address: str, timeout: float) -> BoundedStore:
     return connect_bounded(*parse_address(address), timeout, name=f"store {address}")
+
+
+class Chain:
+    """What one store holds of the mirrored states: per rank key, the steps whose keys it keeps
+    (oldest first) and the state under the newest of them. Touched only by the thread that writes
+    (the mirror's thread), or by the training thread while no write is in flight."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, list[int]] = {}
+        self.latest: dict[int, bytes] = {}
+
+    def unchanged(self, step: int, data: Mapping[int, bytes]) -> bool:
+        """Does the store already hold ``data`` as the state of ``step`` for every rank in it?"""
+        return all(self.latest.get(rank) == value and self.steps[rank][-1] <= step for rank, value in data.items())
+
+    def plan(self, step: int, data: Mapping[int, bytes], key: Callable[[int, int], str],
+             known_steps: Callable[[int], list[int]]) -> tuple[dict[str, bytes], list[str], dict[int, list[int]]]:
+        """The keys to set, the keys to delete and each written rank's new list of kept steps, for
+        mirroring ``data`` as the states of ``step``. ``known_steps(rank)``: the steps another writer
+        listed for that rank, asked the first time this chain writes it. Steps after ``step`` (a step
+        given up and begun again) are dropped from the list, and their keys deleted."""
+        entries: dict[str, bytes] = {}
+        stale: list[str] = []
+        kept: dict[int, list[int]] = {}
+        for rank, value in data.items():
+            if rank in self.latest and self.latest[rank] == value and self.steps[rank][-1] <= step:
+                continue
+            before = self.steps[rank] if rank in self.steps else known_steps(rank)
+            steps = [*(earlier for earlier in before if earlier < step), step][-KEEP:]
+            stale += [key(gone, rank) for gone in before if gone not in steps]
+            entries[key(step, rank)] = value
+            entries[index_key(key, rank)] = ",".join(map(str, steps)).encode()
+            kept[rank] = steps
+        return entries, stale, kept
+
+    def apply(self, data: Mapping[int, bytes], kept: dict[int, list[int]]) -> None:
+        for rank, steps in kept.items():
+            self.steps[rank] = steps
+            self.latest[rank] = data[rank]
+
+
+def index_key(key: Callable[[int, int], str], rank: int) -> str:
+    """The key listing the steps whose keys hold ``rank``'s mirrored states: beside them."""
+    return key(0, rank).rsplit("/", 1)[0] + "/index"
+
+
+def parse_index(raw: bytes) -> list[int]:
+    return [int(step) for step in raw.decode().split(",") if step]
 
 
 class RngMirror:
@@ -53,7 +110,8 @@ class RngMirror:
         self.rank = rank
         self.reporter = reporter
         self.backup_address = backup_address
-        self._last: tuple[int, dict[int, bytes]] = (-1, {})  # (step, encoded RNG by rank) last written
+        self._chain = Chain()  # what the job's store holds
+        self._backup_chain = Chain()  # what the backup store holds
         self._store_lost = False
         self._backup: tuple[str, BoundedStore | None] = ("", None)  # (address, client; None once it failed)
         self._writes: queue.SimpleQueue[tuple[int, dict[int, bytes], threading.Event]] = queue.SimpleQueue()
@@ -76,7 +134,14 @@ class RngMirror:
             self.wait()
         self.store = store
         self._store_lost = False
-        self._last = (-1, {})
+        self._chain = Chain()
+
+    def forget_written(self, abandon: Callable[[], bool] | None = None) -> None:
+        """After a recovery: another process may have written this rank's keys meanwhile (the coverer
+        of its slot while the job was shrunk), so the next write of each key starts from what the
+        store lists, not from what this process last wrote there. ``abandon``: as for ``wait``."""
+        self.wait(abandon)
+        self._chain, self._backup_chain = Chain(), Chain()
 
     def write_rng(self, step: int, states: Mapping[int, dict[str, Any]] | None = None,
                   abandon: Callable[[], bool] | None = None) -> None:
@@ -91,9 +156,9 @@ class RngMirror:
         states = states if states is not None else {self.rank: capture_rng()}
         data = {rank: rng_to_bytes(state) for rank, state in states.items()}
         if self._written is None or self._written.is_set():
-            self.wait()  # returns at once; after it, _last and _store_lost are the writer thread's final word
-            if self._last == (step, data) or self._store_lost:
-                return  # nothing to write (the commit boundary's state is usually the vote's): no trip to the thread
+            self.wait()  # returns at once; after it, the chains and _store_lost are the writer thread's final word
+            if self._store_lost or self._nothing_to_write(step, data):
+                return  # the state did not change (the commit boundary's is usually the vote's): no trip to the thread
         # Else a write is still in flight (a slow or frozen store): this one queues behind it, not
         # waited for here, and the writer skips it if it turns out to be the same.
         if self._writer is None:
@@ -126,13 +191,19 @@ class RngMirror:
             finally:
                 written.set()
 
+    def _nothing_to_write(self, step: int, data: Mapping[int, bytes]) -> bool:
+        """Do the job's store and the backup store (where there is one) already hold ``data`` for ``step``?"""
+        if not self._chain.unchanged(step, data):
+            return False
+        backup_address, backup = self._backup
+        return (backup is None or self._backup_chain.unchanged(step, data)) and self.backup_address() == backup_address
+
     def write(self, step: int, data: dict[int, bytes]) -> None:
-        if self._last == (step, data) or self._store_lost:
-            return  # already mirrored; or the store is gone until the next plan names a new one
-        entries = {self.key(step, rank): value for rank, value in data.items()}
-        stale = [self.key(step - KEEP, rank) for rank in data] if self._last[0] != step and step - KEEP >= 0 else []
+        if self._store_lost:
+            return  # the store is gone until the next plan names a new one
         store = self.store
-        written = _put(store, entries, stale)
+        entries, stale, kept = self._chain.plan(step, data, self.key, lambda rank: _steps_listed_before(store, self.key, rank))
+        written = not entries or _put(store, entries, stale)
         if store is not self.store:
             return  # left behind by a move of the store (use_store) while it was stuck: moot
         if not written:
@@ -141,33 +212,62 @@ class RngMirror:
             self._store_lost = True
             self._events.append({"step": step, "key": self.key(step), "reason": "store unreachable"})
             return
+        self._chain.apply(data, kept)
         address = self.backup_address()
         if address != self._backup[0]:
             self._backup = (address, bounded(address, BACKUP_TIMEOUT_S) if address else None)
+            self._backup_chain = Chain()
         backup = self._backup[1]
-        if backup is not None and not _put(backup, entries, stale):
+        if backup is None:
+            return
+        entries, stale, kept = self._backup_chain.plan(step, data, self.key, lambda rank: [])
+        if entries and not _put(backup, entries, stale):
             self._events.append({"step": step, "key": self.key(step),
                                  "reason": f"backup store {address} unreachable"})
             self._backup = (address, None)
-        self._last = (step, data)
+            return
+        self._backup_chain.apply(data, kept)
 
     def read(self, step: int, rank: int | None = None, fallbacks: list[str] | None = None) -> dict[str, Any]:
         self.wait()
         key = self.key(step, rank)
+        rank = self.rank if rank is None else rank
         for store in [self.store, *(bounded(address, MIRROR_TIMEOUT_S) for address in fallbacks or [])]:
             try:
                 if store.check([key]):
                     return rng_from_bytes(store.get(key))
+                # No change at ``step`` itself: the newest listed change before it holds its state.
+                earlier = [listed for listed in _listed_steps(store, self.key, rank) if listed < step]
+                if earlier and store.check([self.key(earlier[-1], rank)]):
+                    return rng_from_bytes(store.get(self.key(earlier[-1], rank)))
             except (RuntimeError, OSError):
                 continue
         self.reporter.emit(ev.RNG_NOT_MIRRORED, step=step, key=key, tried=1 + len(fallbacks or []))
         return {}
 
 
+def _listed_steps(store: BoundedStore | dist.Store, key: Callable[[int, int], str], rank: int) -> list[int]:
+    """The steps a store's index lists for ``rank`` (oldest first; none when it has no index)."""
+    index = index_key(key, rank)
+    return parse_index(store.get(index)) if store.check([index]) else []
+
+
+def _steps_listed_before(store: BoundedStore | dist.Store, key: Callable[[int, int], str], rank: int) -> list[int]:
+    """``_listed_steps``, or none where the store does not answer (the write that follows fails too)."""
+    try:
+        return _listed_steps(store, key, rank)
+    except (RuntimeError, OSError):
+        return []
+
+
 def _put(store: BoundedStore | dist.Store, entries: dict[str, bytes], stale: list[str]) -> bool:
     def put(client: BoundedStore | dist.Store) -> None:
-        for key, data in entries.items():
-            client.set(key, data)  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
+        multi_set = getattr(client, "multi_set", None)
+        if multi_set is not None and len(entries) > 1:
+            multi_set(list(entries), list(entries.values()))  # one round trip for the state and its index
+        else:
+            for key, data in entries.items():
+                client.set(key, data)  # type: ignore[arg-type]  # the binding takes bytes; the stub says str
         for key in stale:
             client.delete_key(key)
 
