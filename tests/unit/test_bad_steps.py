@@ -116,6 +116,10 @@ def test_the_controller_names_the_ranks_and_stops_a_job_whose_bad_step_repeats(m
     assert [event.details["ranks"] for event in job.events(ev.BAD_STEP)] == [[1], [1, 2]]
     kinds = [event.kind for event in job.events() if event.kind in (ev.BAD_STEP, ev.JOB_END)]
     assert kinds == [ev.BAD_STEP, ev.BAD_STEP, ev.JOB_END]  # the cause is logged before the end
+    # No heartbeat told the controller of any step: every rank joined step 12's vote, so the job
+    # ends having committed the 12 steps before it.
+    [end] = job.events(ev.JOB_END)
+    assert end.step == 12, end
 
 
 def test_a_transient_bad_step_switches_the_ranks_node_when_asked(make_job):

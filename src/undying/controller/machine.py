@@ -222,6 +222,17 @@ class JobMachine(JobCore):
                       generation=beat.generation, details=details)
         return reply
 
+    def _committed_before_bad_step(self, event: Event) -> None:
+        """A bad step stops the job: every member joined that step's commit vote (the bad-step check
+        rides on it), so every one has committed the steps before it (its committed step is the bad
+        step's number), whatever its last heartbeat (sent at most every 0.25 s) said. The job's end
+        then records that step."""
+        if event.step is None:
+            return
+        for record in self.membership.ranks.values():
+            if record.spawn_generation <= (event.generation or self.generation) and record.step < event.step:
+                record.step, record.step_known = event.step, True
+
     def worker_event(self, now: float, event: Event) -> None:
         self.now = now
         record = self.membership.ranks.get(event.rank) if event.rank is not None else None
@@ -235,6 +246,7 @@ class JobMachine(JobCore):
         stop = self.suspects.worker_event(self.membership, event, self.state.terminal)
         self.effects.events.append(event)
         if stop:
+            self._committed_before_bad_step(event)
             self.finish(JobState.FAILED, EXIT_FAILED, stop, now)
         if event.kind == ev.CHECKPOINT_SAVE and event.step is not None:
             self.persist_health.saved(event.step, now)
