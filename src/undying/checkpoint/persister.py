@@ -77,6 +77,7 @@ class Persister:
                  rank_file: str, records_timeout: float, current_generation: Callable[[], int],
                  commit_meta: dict[str, object] | None = None,
                  sharded_state: Callable[[dict[str, Any], dict[str, Any] | None], dict[str, Any]] | None = None,
+                 commit_started: Callable[[], None] = lambda: None,
                  ) -> None:
         self.snapshots = snapshots
         self.root = CheckpointRoot.of(root)
@@ -101,6 +102,9 @@ class Persister:
         self._closing = False
         self._draining = False  # the process is about to be stopped: no more waiting for missing records
         self.committing = 0  # the step this rank commits, its job in flight (0: none, or not the writer)
+        # Called on the persister's thread once ``committing`` is set: the controller must learn soon
+        # that a commit is in flight (a job restart then holds its stop orders for it).
+        self.commit_started = commit_started
         self._thread = threading.Thread(target=self._run, name="undying-persister", daemon=True)
         self._thread.start()
 
@@ -157,6 +161,8 @@ class Persister:
                 continue
             started = time.monotonic()
             self.committing = job.step if self.rank == job.members[0] else 0
+            if self.committing:
+                self.commit_started()
             try:
                 result = self._persist(job, started)
             except Exception as error:  # noqa: BLE001 - reported as a result, the training goes on
