@@ -225,7 +225,7 @@ class JobMachine(JobCore):
     def _committed_before_bad_step(self, event: Event) -> None:
         """A bad step stops the job: every member joined that step's commit vote (the bad-step check
         rides on it), so every one has committed the steps before it (its committed step is the bad
-        step's number), whatever its last heartbeat (sent at most every 0.25 s) said. The job's end
+        step's number), whatever its last heartbeat (sent at most every 0.1 s) said. The job's end
         then records that step."""
         if event.step is None:
             return

@@ -40,7 +40,7 @@ from undying.runtime.step_timing import StepTimes
 # Seconds between two heartbeats that carry progress, however fast steps go. The controller's view
 # of each rank's committed step (where a job ended, the step a fault hit in its records) is this
 # fresh; the end of a recovery is not measured by it (the worker's ``first_step`` event is).
-PROGRESS_MIN_SPACING = 0.25
+PROGRESS_MIN_SPACING = 0.1
 # Seconds between two heartbeats asked for (``beat_now``: a collective that waits long wants the
 # controller's word, which may abort its generation): an abort reaches a survivor within about this.
 ASK_MIN_SPACING = 0.1
