@@ -174,6 +174,7 @@ def test_a_host_cut_off_for_good_is_replaced_by_a_spare(reference_run: JobRun, c
     cluster.start(1)
     cluster.start(2, spare=True)
     cut_at = cut_node1_after_a_few_steps(cluster, network)
+    cut_by = time.time()  # node 1's link is down by now (its processes run on, cut off)
     run = run_of(cluster)
     story = timeline(run.events, cut_at)
     print(story)
@@ -194,7 +195,7 @@ def test_a_host_cut_off_for_good_is_replaced_by_a_spare(reference_run: JobRun, c
     assert recovered[2] != first[2] and recovered[3] != first[3], story
     [plan] = run.kinds(ev.RECOVERY_PLAN)
     assert plan.details["receivers"] == [2, 3], story
-    assert_old_ranks_of_node1_were_silent(run, cluster, plan)
+    assert_old_ranks_of_node1_were_silent(run, cluster, plan, cut_by)
 
 
 def test_a_partition_that_heals_before_any_timeout(reference_run: JobRun, cluster_on, network: Network) -> None:

@@ -29,12 +29,15 @@ def write_result(run_dir: Path, payload: dict[str, Any]) -> None:
 
 
 def append_samples(run_dir: Path, step: int, rank: int, group_rank: int, replicas: int, generation: int,
-                   loss: float | None, loaders: list[ResumableLoader]) -> None:
-    """Append the sample indices rank ``rank`` used in committed ``step`` to its sample log."""
+                   loss: float | None, loaders: list[ResumableLoader], decided_at: float | None) -> None:
+    """Append the sample indices rank ``rank`` used in committed ``step`` to its sample log, with
+    ``decided``: the wall time at which its vote and commit fence let it apply the step (None: the
+    step had no update to apply)."""
     directory = run_dir / SAMPLES_DIR
     directory.mkdir(parents=True, exist_ok=True)
     line = json.dumps({"step": step, "rank": rank, "group_rank": group_rank,
                        "replicas": replicas, "generation": generation, "time": time.time(),
+                       "decided": decided_at,
                        "loss": loss,
                        "loaders": [{"epoch": loader.step_epoch, "indices": loader.step_indices,
                                     "slots": loader.slot_count} for loader in loaders]})

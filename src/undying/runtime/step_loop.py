@@ -89,7 +89,8 @@ class StepLoop:
             if self.spec.sample_log and not skipped:
                 membership = self.membership
                 append_samples(self.run_dir, step, membership.rank, membership.group_rank, membership.replicas,
-                               membership.generation, self.reporter.scalars.get("loss"), self.state.loaders)
+                               membership.generation, self.reporter.scalars.get("loss"), self.state.loaders,
+                               self.transaction.decided_at)
             self._mark_commit_boundary()
             self.reporter.update(step=self.state.committed_step, phase=Phase.UPDATED)
             if first and self._resumed_from is not None:

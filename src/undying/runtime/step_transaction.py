@@ -74,6 +74,7 @@ class StepTransaction:
         self.raised: tuple[list[str], str] | None = None
         self.voted = False
         self.updated = False
+        self.decided_at: float | None = None  # wall time this rank's vote and fence let it apply the step
         self.check = StepCheck(spec, membership.rank)
         self.bad_step: BadStep | None = None  # the vote found the step bad (no rank applied it)
         self.timer = StepTimer(spec.straggler_window, self._data_seconds)
@@ -88,6 +89,7 @@ class StepTransaction:
         self.bad_step = None
         self.voted = False
         self.updated = False
+        self.decided_at = None
         self.timer.begin()
         self.check.begin_step()
         self.rng_sent = False
@@ -199,6 +201,7 @@ class StepTransaction:
             self.fail("the controller aborted this generation while this rank was silent")
             return False
         self.updated = True
+        self.decided_at = time.time()  # wall time: the sample log's ``decided``
         return True
 
     def agree_to_continue(self) -> bool:
