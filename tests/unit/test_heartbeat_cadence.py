@@ -1,7 +1,6 @@
 """The heartbeat thread's cadence (runtime/reporter.py): a beat every ``heartbeat_interval`` at the
 latest, whatever the steps do (the controller's silence timeouts count on it), progress beats,
-however fast the steps go, no closer than ``PROGRESS_MIN_SPACING``, and beats asked for (a
-collective that waits long) no closer than the shorter ``ASK_MIN_SPACING``, even while steps move.
+however fast the steps go, no closer than ``PROGRESS_MIN_SPACING``; ``close`` does not wait out a pause.
 
 The real thread loop, with the controller client replaced by a recorder of when each beat went.
 """
@@ -18,7 +17,6 @@ from undying.runtime import reporter as reporter_module
 from undying.runtime.reporter import Reporter
 
 SPACING = 0.5
-ASK_SPACING = 0.15
 INTERVAL = 0.6  # beside a 0.5 s spacing: a loop that waited the interval after the spacing beats every 1.1 s
 
 
@@ -30,11 +28,9 @@ class _NoClient:
         pass
 
 
-def _beats(monkeypatch: pytest.MonkeyPatch, seconds: float, step_every: float | None, ask: bool = False) -> list[float]:
-    """When the thread's beats began over ``seconds``, with the step moving every ``step_every`` s
-    (and, with ``ask``, a beat asked for at each step as well)."""
+def _beats(monkeypatch: pytest.MonkeyPatch, seconds: float, step_every: float | None) -> list[float]:
+    """When the thread's beats began over ``seconds``, with the step moving every ``step_every`` s."""
     monkeypatch.setattr(reporter_module, "PROGRESS_MIN_SPACING", SPACING)
-    monkeypatch.setattr(reporter_module, "ASK_MIN_SPACING", ASK_SPACING)
     monkeypatch.setattr(reporter_module, "ControllerClient", _NoClient)
     reporter = Reporter(None, "", rank=0, node=0, generation=1, interval=INTERVAL)
     reporter._address = "127.0.0.1:1"  # a thread of its own, as with a controller
@@ -50,8 +46,6 @@ def _beats(monkeypatch: pytest.MonkeyPatch, seconds: float, step_every: float | 
             continue
         step += 1
         reporter.update(step=step)
-        if ask:
-            reporter.beat_now()
         time.sleep(step_every)
     reporter._closed = True
     reporter.beat_now()
@@ -75,13 +69,6 @@ def test_fast_steps_beat_at_the_spacing_and_never_later_than_the_interval(monkey
     assert len(gaps) >= 4
     assert min(gaps) >= SPACING - 0.01, gaps  # progress does not beat faster than the spacing
     assert max(gaps) < INTERVAL + 0.3, gaps
-
-
-def test_asked_beats_go_at_the_shorter_spacing_even_while_steps_move(monkeypatch: pytest.MonkeyPatch) -> None:
-    gaps = _gaps(_beats(monkeypatch, 3.0, step_every=0.01, ask=True))
-    assert len(gaps) >= 10, gaps
-    assert min(gaps) >= ASK_SPACING - 0.01, gaps
-    assert sorted(gaps)[len(gaps) // 2] < SPACING - 0.2, gaps  # not held to the progress spacing
 
 
 def test_close_does_not_wait_out_a_progress_pause(monkeypatch: pytest.MonkeyPatch) -> None:

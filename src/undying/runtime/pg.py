@@ -31,7 +31,7 @@ ABORT_POLL_S = 0.05  # how often a waiting collective checks for an abort from t
 # connections open): from then on it has the controller asked for its word every so often, so an
 # abort reaches it within about ASK_AGAIN_S, not at the heartbeat thread's next beat (heartbeat_interval).
 ASK_CONTROLLER_AFTER_S = 0.25
-# ... and then this often (the reporter's ASK_MIN_SPACING spaces these asks too).
+# ... and then this often (the reporter's PROGRESS_MIN_SPACING spaces these asks too).
 ASK_AGAIN_S = 0.1
 DEVICE_POLL_MIN_S = 0.0001  # NCCL: first pause between polls of a collective's completion on the GPU
 DEVICE_POLL_MAX_S = 0.002  # ... doubling up to this
@@ -176,6 +176,14 @@ class GenerationGroup:
             _waited += time.perf_counter() - started
 
     def _wait_settled(self, op: str, work: dist.Work) -> None:
+        if work.is_completed():
+            # Done already (a bucket's all-reduce that ran during the rest of the backward): no
+            # event, callback or helper thread to set up; wait() returns at once or raises its error.
+            try:
+                work.wait()
+            except Exception as error:
+                raise CollectiveError(op, self.rank, self.generation, error) from None
+            return
         finished = threading.Event()
         failure: list[BaseException] = []
         try:

@@ -37,13 +37,11 @@ from undying.protocol import (
 from undying.runtime.generation import Generation
 from undying.runtime.step_timing import StepTimes
 
-# Seconds between two heartbeats that carry progress, however fast steps go. The controller's view
-# of each rank's committed step (where a job ended, the step a fault hit in its records) is this
-# fresh; the end of a recovery is not measured by it (the worker's ``first_step`` event is).
+# Seconds between two heartbeats sent for progress or asked for (``beat_now``), however fast steps
+# go. The controller's view of each rank's committed step (where a job ended, the step a fault hit
+# in its records) is this fresh, and an abort reaches a survivor whose collective waits long within
+# about this; the end of a recovery is not measured by it (the worker's ``first_step`` event is).
 PROGRESS_MIN_SPACING = 0.1
-# Seconds between two heartbeats asked for (``beat_now``: a collective that waits long wants the
-# controller's word, which may abort its generation): an abort reaches a survivor within about this.
-ASK_MIN_SPACING = 0.1
 EVENT_TIMEOUT_S = 5.0
 
 
@@ -81,7 +79,7 @@ class Reporter:
         self._client = ControllerClient(address, token, timeout=EVENT_TIMEOUT_S,
                                         locator=self._locator) if address else None
         self._wake = threading.Event()  # a beat is wanted (progress, or asked for)
-        self._asked = threading.Event()  # ... asked for: spaced by ASK_MIN_SPACING, not PROGRESS_MIN_SPACING
+        self._closing = threading.Event()  # close(): the thread stops, a pause cut short
         self._closed = False
         self._thread = threading.Thread(target=self._beat_forever, name="undying-heartbeat", daemon=True)
         if address:
@@ -116,7 +114,6 @@ class Reporter:
             self.scalars = {**self.scalars, **scalars}
 
     def beat_now(self) -> None:
-        self._asked.set()
         self._wake.set()
 
     def report_now(self, step: int, phase: Phase) -> None:
@@ -138,20 +135,13 @@ class Reporter:
             self._beat(client)
             # The next beat: ``interval`` after this one began (what the controller's silence
             # timeouts count on), or sooner when the step moves or a beat is asked for, but never
-            # within the spacing (an ask arriving during a progress pause shortens it).
+            # within PROGRESS_MIN_SPACING of this one.
             self._wake.wait(max(0.0, sent + self.interval - time.monotonic()))
-            while True:
-                asked = self._asked.is_set()
-                pause = sent + min(ASK_MIN_SPACING if asked else PROGRESS_MIN_SPACING, self.interval) - time.monotonic()
-                if pause <= 0 or self._closed:
-                    break
-                if asked:
-                    time.sleep(pause)
-                    break
-                self._asked.wait(pause)
+            pause = sent + min(PROGRESS_MIN_SPACING, self.interval) - time.monotonic()
+            if pause > 0:
+                self._closing.wait(pause)
             # After the pause: the beat about to go carries a step moved, or answers an ask made, meanwhile.
             self._wake.clear()
-            self._asked.clear()
         client.close()
 
     def _beat(self, client: ControllerClient) -> None:
@@ -225,7 +215,7 @@ class Reporter:
 
     def close(self) -> None:
         self._closed = True
-        self._asked.set()
+        self._closing.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2)
