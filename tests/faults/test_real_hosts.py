@@ -278,8 +278,8 @@ def assert_same_samples_and_close(run: HostsRun, reference: JobRun) -> None:
 def test_a_frozen_host_is_dropped_by_elastic_training_and_told_to_rejoin(reference_run: JobRun, hosts,
                                                                         tmp_path: Path) -> None:
     """SIGSTOP of node 1's process group, no spare: after the reschedule wait the job trains on
-    without it (no job restart); when the host wakes up (SIGCONT) its old workers never commit a
-    step of the old generation and its agent is sent back to say hello."""
+    without it (no job restart); when the host wakes up (SIGCONT) its old workers apply no step
+    they had not decided on before the freeze, and its agent is sent back to say hello."""
     cluster = hosts(FROZEN_CHAIN, reschedule_wait=2.0,
                     script_args=[*STEP_SLEEP, "--final-state", str(tmp_path / "node0" / FINAL_STATE)])
     cluster.start(0)
