@@ -99,10 +99,13 @@ def test_a_worker_killed_during_an_overlapped_snapshot_restarts_from_a_complete_
 
 def test_a_job_restart_right_before_a_t2_commit_keeps_that_checkpoint(reference_run: JobRun, tmp_path: Path) -> None:
     """Rank 0's persister has written step 10's shared shard and waits 4 s before its commit (a slow
-    store: ``stall ... at=persist:seconds=4``); rank 3 is killed meanwhile, at step 12, after every
-    other rank's records of step 10 are in. The job restart holds its stop orders until rank 0 has
-    committed step 10 (a survivor stopped at once would lose it), then restarts; bitwise equal."""
+    store: ``stall ... at=persist:seconds=4``); rank 3 is killed meanwhile, at step 12. Rank 3 stalls
+    1 s at step 12 before it dies, so that both premises hold however loaded the machine: its own
+    records of step 10 are in, and rank 0's heartbeat has told the controller that it commits step 10.
+    The job restart holds its stop orders until rank 0 has committed step 10 (a survivor stopped at
+    once would lose it), then restarts; bitwise equal."""
     run = run_job(tmp_path, ["--inject", "stall:rank=0:step=10:at=persist:seconds=4",
+                             "--inject", "stall:rank=3:step=12:seconds=1",
                              "--inject", "kill:rank=3:step=12"])
     assert_recovered_bitwise(run, reference_run, "worker_exit", source="memory", step=(11, 12))
     [drain] = run.kinds(ev.COMMIT_DRAIN)
