@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from undying import events as ev
 from undying.runtime.bounded_store import BoundedStore
-from undying.runtime.rng import capture_rng
+from undying.runtime.rng import capture_rng, same_rng
 from undying.runtime.rng_mirror import KEEP, RngMirror
 
 
@@ -212,3 +212,39 @@ def test_after_a_recovery_a_rank_lists_the_changes_another_process_wrote_under_i
     own.write_rng(30)
     assert torch.equal(own.read(27)["torch"], covered[25]["torch"])
     assert torch.equal(own.read(22)["torch"], covered[20]["torch"])
+
+
+def test_same_rng_sees_a_draw_from_every_generator_and_numpys_cached_gaussian() -> None:
+    """The mirror re-sends the last encoding while ``same_rng`` says nothing moved: a draw from any
+    generator must count as a move, NumPy's second gaussian too (it comes from a cache and leaves the
+    Mersenne Twister's key and position as they were)."""
+    import random
+
+    import numpy
+
+    numpy.random.seed(5)
+    numpy.random.standard_normal()  # draws two gaussians, caches the second
+    before = capture_rng()
+    assert same_rng(before, capture_rng())
+    draws = [lambda: torch.rand(1), lambda: random.random(), lambda: numpy.random.rand(),
+             lambda: numpy.random.standard_normal()]
+    for draw in draws:
+        state = capture_rng()
+        draw()
+        after = capture_rng()
+        assert not same_rng(state, after), draw
+        if draw is draws[-1]:  # the cached one: only has_gauss changed
+            assert numpy.array_equal(state["numpy"][1], after["numpy"][1]) and state["numpy"][2] == after["numpy"][2]
+
+
+def test_a_state_drawn_from_since_the_last_write_is_encoded_anew() -> None:
+    server = store_server()
+    client = BoundedStore(lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False), timeout=5.0)
+    mirror = RngMirror(client, "job", rank=0, reporter=Reporter())  # type: ignore[arg-type]
+    torch.manual_seed(1)
+    mirror.write_rng(1)
+    torch.rand(3)
+    expected = capture_rng()
+    mirror.write_rng(2)
+    torch.manual_seed(99)
+    assert torch.equal(mirror.read(2)["torch"], expected["torch"])

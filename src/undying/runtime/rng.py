@@ -59,6 +59,26 @@ def _own_cuda_state(state: dict[str, Any]) -> torch.Tensor | None:
     return None
 
 
+def same_rng(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Do two ``capture_rng()`` results hold the same states? A few microseconds, where encoding one
+    (``rng_to_bytes``) takes tens: a step that draws no random numbers leaves every state as it was."""
+    if a.keys() != b.keys() or not torch.equal(a["torch"], b["torch"]) or a["python"] != b["python"]:
+        return False
+    if CUDA_KEY in a and not torch.equal(a[CUDA_KEY], b[CUDA_KEY]):
+        return False
+    if LEGACY_CUDA_KEY in a:
+        legacy_a, legacy_b = a[LEGACY_CUDA_KEY], b[LEGACY_CUDA_KEY]
+        if len(legacy_a) != len(legacy_b) or not all(map(torch.equal, legacy_a, legacy_b)):
+            return False
+    if "numpy" in a:
+        # NumPy's legacy state: (name, key array, position, has_gauss, cached gaussian).
+        numpy_a, numpy_b = a["numpy"], b["numpy"]
+        if len(numpy_a) != len(numpy_b) or numpy_a[0] != numpy_b[0] or tuple(numpy_a[2:]) != tuple(numpy_b[2:]):
+            return False
+        return bool((numpy_a[1] == numpy_b[1]).all())
+    return True
+
+
 def rng_to_bytes(state: dict[str, Any]) -> bytes:
     """A compact encoding of ``capture_rng()`` for the store: plain pickle of numpy arrays
     (a few KB, tens of microseconds; ``torch.save`` took milliseconds)."""

@@ -40,7 +40,7 @@ from undying import events as ev
 from undying.client import parse_address
 from undying.runtime.bounded_store import BoundedStore, connect_bounded
 from undying.runtime.event_sink import EventSink
-from undying.runtime.rng import capture_rng, rng_from_bytes, rng_to_bytes
+from undying.runtime.rng import capture_rng, rng_from_bytes, rng_to_bytes, same_rng
 
 KEEP = 3  # changes of mirrored RNG state kept per rank (each under the step where it was first seen)
 MIRROR_TIMEOUT_S = 5.0  # the job store: a write takes milliseconds unless its host froze
@@ -120,6 +120,8 @@ class RngMirror:
         # rng_not_mirrored events of the mirror's thread, sent by the training thread (``wait``): the
         # reporter's connection to the controller is not shared between threads.
         self._events: list[dict[str, Any]] = []
+        # By key rank: the last state encoded and its bytes (``_encoded``).
+        self._last_encoded: dict[int, tuple[dict[str, Any], bytes]] = {}
 
     def key(self, step: int, rank: int | None = None) -> str:
         return f"{self.prefix}/rng/{self.rank if rank is None else rank}/{step}"
@@ -154,7 +156,7 @@ class RngMirror:
         """Like ``write_rng``, but the write runs on the mirror's thread: the states are captured now,
         and ``wait`` returns once they are in the store (or found unreachable)."""
         states = states if states is not None else {self.rank: capture_rng()}
-        data = {rank: rng_to_bytes(state) for rank, state in states.items()}
+        data = {rank: self._encoded(rank, state) for rank, state in states.items()}
         if self._written is None or self._written.is_set():
             self.wait()  # returns at once; after it, the chains and _store_lost are the writer thread's final word
             if self._store_lost or self._nothing_to_write(step, data):
@@ -167,6 +169,16 @@ class RngMirror:
             self._writer.start()
         self._written = threading.Event()
         self._writes.put((step, data, self._written))
+
+    def _encoded(self, rank: int, state: dict[str, Any]) -> bytes:
+        """``state`` encoded for the store; the last encoding of ``rank``'s key again when its state
+        has not changed since (the common case: most steps draw nothing between two writes)."""
+        last = self._last_encoded.get(rank)
+        if last is not None and same_rng(last[0], state):
+            return last[1]
+        data = rng_to_bytes(state)
+        self._last_encoded[rank] = (state, data)
+        return data
 
     def wait(self, abandon: Callable[[], bool] | None = None) -> bool:
         """Until the write in flight is over (True). Every store call of it is bounded, so this is too.
