@@ -26,7 +26,10 @@ committed step, logged at most every 0.5 s, each at most 0.1 s after its step; t
 the inverse of the fitted slope of time against step, ``rate``). The overhead of a
 configuration is its median step time against torchrun's, in percent. Each run also records its
 step time over every ``WINDOW_STEPS`` steps (``windows_ms``): how much one run's rate moves while
-nothing in it changes.
+nothing in it changes; and the CPU time the whole job (every process under its launcher, every
+thread) spends per step over the same window (``cpu_ms_per_step``, bench/job_cpu.py), steadier
+than the step time when the machine's speed drifts: the summary gives its median, range and excess
+over torchrun's (``cpu_overhead_percent``).
 
     python bench/overhead.py --repeats 2 --out bench/results/overhead.json
 """
@@ -48,6 +51,9 @@ GPT_DIR = REPO / "examples" / "gpt"
 sys.path.insert(0, str(REPO / "src"))
 from undying import events as ev  # noqa: E402
 from undying.events import read_events  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from job_cpu import CpuSamples  # noqa: E402
 
 RANKS = 4
 WARMUP_STEPS = 45  # auto's first decision is at step 40 (two rounds of 20 steps)
@@ -74,6 +80,7 @@ SHORT_NAMES = {"torchrun": CONFIGS[0], "every-step": CONFIGS[1], "auto": CONFIGS
                "defaults": DEFAULTS}  # --configs
 WINDOW_STEPS = 20
 RUN_TIMEOUT_S = 900
+CPU_SAMPLE_S = 0.5  # how often the job's CPU time is read (bench/job_cpu.py)
 
 
 def load_average() -> float:
@@ -115,9 +122,23 @@ def run_torchrun(size: str, work: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
                str(Path(__file__).resolve()), "--torchrun-worker", "--times-file", str(log), *model_args(size)]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    started = time.time()
+    with subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as job:
+        cpu = CpuSamples(job.pid)
+        while job.poll() is None and time.time() - started < RUN_TIMEOUT_S:
+            cpu.sample(time.time())
+            time.sleep(CPU_SAMPLE_S)
+        if job.poll() is None:
+            job.kill()
+        returncode = job.wait()
     times = {int(step): at for step, at in json.loads(log.read_text()).items()} if log.exists() else {}
-    return {"exit_code": result.returncode, "steps_per_second": rate(times, WARMUP_STEPS), "windows_ms": windows(times)}
+    return {"exit_code": returncode, "steps_per_second": rate(times, WARMUP_STEPS), "windows_ms": windows(times),
+            "cpu_ms_per_step": cpu_ms(cpu, times, WARMUP_STEPS)}
+
+
+def cpu_ms(cpu: CpuSamples, times: dict[int, float], first_step: int) -> float | None:
+    seconds = cpu.per_step(times, first_step)
+    return None if seconds is None else round(1000 * seconds, 2)
 
 
 def standbys_ready(run_dir: Path) -> bool:
@@ -140,11 +161,13 @@ def run_undying(size: str, interval: str | None, work: Path) -> dict:
     ready_at: float | None = None
     with subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True) as job:
+        cpu = CpuSamples(job.pid)
         # Steady state begins once the standby is up (the workers are forked from it).
         while job.poll() is None and time.time() - started < RUN_TIMEOUT_S:
             if ready_at is None and standbys_ready(run_dir):
                 ready_at = time.time()
-            time.sleep(0.1)
+            cpu.sample(time.time())
+            time.sleep(CPU_SAMPLE_S)
         if job.poll() is None:
             job.kill()
         output = job.stdout.read() if job.stdout else ""
@@ -158,7 +181,7 @@ def run_undying(size: str, interval: str | None, work: Path) -> dict:
     record: dict = {"exit_code": returncode, "steps_per_second": rate(beats, WARMUP_STEPS),
                     "standbys_ready_seconds": None if ready_at is None else round(ready_at - started, 1),
                     "measured_beats": len([step for step in beats if step >= WARMUP_STEPS]),
-                    "windows_ms": windows(beats)}
+                    "windows_ms": windows(beats), "cpu_ms_per_step": cpu_ms(cpu, beats, WARMUP_STEPS)}
     if ready_at is None:
         record["steps_per_second"] = None  # the run ended before its standbys were up: no steady state
     if changes:
@@ -195,22 +218,31 @@ def summarize(runs: list[dict]) -> dict:
                 median = statistics.median(rates)
                 rows[config] = {"runs": len(rates), "median_steps_per_second": round(median, 3),
                                 "median_step_ms": round(1000 / median, 2)}
+            cpu = sorted(run["cpu_ms_per_step"] for run in runs
+                         if (run["size"], run["config"]) == (size, config) and run.get("cpu_ms_per_step"))
+            if cpu and config in rows:
+                rows[config].update(median_cpu_ms_per_step=round(statistics.median(cpu), 2), cpu_ms_range=[cpu[0], cpu[-1]])
         baseline = rows.get("torchrun")
         for config, row in rows.items():
             if baseline and config != "torchrun":
                 row["overhead_percent"] = round(100 * (baseline["median_steps_per_second"]
                                                        / row["median_steps_per_second"] - 1), 2)
+                if "median_cpu_ms_per_step" in row and "median_cpu_ms_per_step" in baseline:
+                    row["cpu_overhead_percent"] = round(100 * (row["median_cpu_ms_per_step"]
+                                                               / baseline["median_cpu_ms_per_step"] - 1), 2)
         summary[size] = rows
     return summary
 
 
 def print_table(summary: dict) -> None:
-    print(f"{'size':>6} {'configuration':<30} {'steps/s':>8} {'step ms':>8} {'overhead':>9}")
+    print(f"{'size':>6} {'configuration':<30} {'steps/s':>8} {'step ms':>8} {'overhead':>9} {'CPU ms/step':>12} "
+          f"{'CPU extra':>10}")
     for size, rows in summary.items():
         for config, row in rows.items():
             overhead = f"{row['overhead_percent']:+.1f} %" if "overhead_percent" in row else "-"
+            cpu_extra = f"{row['cpu_overhead_percent']:+.1f} %" if "cpu_overhead_percent" in row else "-"
             print(f"{size:>6} {config:<30} {row['median_steps_per_second']:>8} {row['median_step_ms']:>8} "
-                  f"{overhead:>9}")
+                  f"{overhead:>9} {row.get('median_cpu_ms_per_step', '-'):>12} {cpu_extra:>10}")
 
 
 def torchrun_worker(args: argparse.Namespace) -> None:
