@@ -15,17 +15,18 @@ from __future__ import annotations
 import functools
 import types
 import typing
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, Literal
 
 
 def check_fields(cls: type, values: dict[str, Any]) -> None:
     """Raise ValueError naming ``cls.field`` for the first value not of its field's type."""
-    hints = _hints(cls)
+    checkers = _field_checkers(cls)
     for name, value in values.items():
-        expected = hints.get(name)
-        if expected is not None and not _matches(value, expected):
-            raise ValueError(f"{cls.__name__}.{name}: expected {_describe(expected)}, got {value!r:.80}")
+        check = checkers.get(name)
+        if check is not None and not check(value):
+            raise ValueError(f"{cls.__name__}.{name}: expected {_describe(_hints(cls)[name])}, got {value!r:.80}")
 
 
 def decode_fields(cls: type, values: dict[str, Any]) -> dict[str, Any]:
@@ -60,32 +61,54 @@ def _is_enum(expected: Any) -> bool:
 
 
 def _matches(value: Any, expected: Any) -> bool:
+    return _checker(expected)(value)
+
+
+@functools.cache
+def _field_checkers(cls: type) -> dict[str, Callable[[Any], bool]]:
+    """Each field's checker, made once per class: every request body is checked against them."""
+    return {name: _checker(hint) for name, hint in _hints(cls).items()}
+
+
+@functools.cache
+def _checker(expected: Any) -> Callable[[Any], bool]:
+    """Whether a value is of type ``expected``, as a function made once per type (the type's
+    structure is read here, not again for every value)."""
     if expected is Any:
-        return True
+        return _any
     if _is_enum(expected):
-        return isinstance(value, str) and value in expected._value2member_map_
-    if typing.get_origin(expected) is Literal:
-        return any(type(value) is type(option) and value == option for option in typing.get_args(expected))
+        members = expected._value2member_map_
+        return lambda value: isinstance(value, str) and value in members
     origin = typing.get_origin(expected)
+    if origin is Literal:
+        options = typing.get_args(expected)
+        return lambda value: any(type(value) is type(option) and value == option for option in options)
     if origin in (types.UnionType, typing.Union):
-        return any(_matches(value, option) for option in typing.get_args(expected))
+        checks = tuple(_checker(option) for option in typing.get_args(expected))
+        return lambda value: any(check(value) for check in checks)
     if expected is type(None):
-        return value is None
+        return lambda value: value is None
     if expected is bool:
-        return type(value) is bool
+        return lambda value: type(value) is bool
     if expected is int:
-        return type(value) is int
+        return lambda value: type(value) is int
     if expected is float:
-        return type(value) in (int, float)  # NaN too: a diverged loss is news (a wait is range-checked)
+        return lambda value: type(value) in (int, float)  # NaN too: a diverged loss is news (a wait is range-checked)
     if expected is str:
-        return isinstance(value, str)
+        return lambda value: isinstance(value, str)
     if origin is list:
         (item,) = typing.get_args(expected) or (Any,)
-        return isinstance(value, list) and all(_matches(element, item) for element in value)
+        check_item = _checker(item)
+        return lambda value: isinstance(value, list) and all(map(check_item, value))
     if origin is dict:
         key, item = typing.get_args(expected) or (Any, Any)
-        return isinstance(value, dict) and all(_matches(k, key) and _matches(v, item) for k, v in value.items())
-    return True  # a type this checker does not know (a ClassVar, a nested dataclass): not judged here
+        check_key, check_value = _checker(key), _checker(item)
+        return lambda value: isinstance(value, dict) and all(check_key(k) and check_value(v) for k, v in value.items())
+    return _any  # a type this checker does not know (a ClassVar, a nested dataclass): not judged here
+
+
+def _any(_value: Any) -> bool:
+    return True
 
 
 def _describe(expected: Any) -> str:
