@@ -81,7 +81,7 @@ def test_a_collective_stuck_on_a_silent_peer_hears_the_abort_at_once(monkeypatch
         heard_after = time.monotonic() - began[0]
     finally:
         done.set()
-        reporter._closed = True
+        reporter._closing.set()
         reporter.beat_now()
         thread.join(timeout=5)
     assert heard_after < ABORT_AT + 1.0, heard_after  # not at the 5 s beat

@@ -47,7 +47,7 @@ def _beats(monkeypatch: pytest.MonkeyPatch, seconds: float, step_every: float | 
         step += 1
         reporter.update(step=step)
         time.sleep(step_every)
-    reporter._closed = True
+    reporter._closing.set()
     reporter.beat_now()
     thread.join(timeout=5)
     return sent

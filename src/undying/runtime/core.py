@@ -110,7 +110,6 @@ class Runtime:
                              self.recovery, self.bad_steps, self.rng_mirror, self.draws, self.device, self.run_dir,
                              self.joining)
         self.reporter.committing = self.checkpoints.committing_step
-        self.checkpoints.commit_started = self.reporter.beat_now  # the commit in flight, not at the next progress beat
         self.reporter.emit(ev.WORKER_READY, step=0, seconds=round(time.time() - started, 4),
                            backend=self.backend, pid=os.getpid(), joining=self.joining)
 

@@ -80,7 +80,6 @@ class Reporter:
                                         locator=self._locator) if address else None
         self._wake = threading.Event()  # a beat is wanted (progress, or asked for)
         self._closing = threading.Event()  # close(): the thread stops, a pause cut short
-        self._closed = False
         self._thread = threading.Thread(target=self._beat_forever, name="undying-heartbeat", daemon=True)
         if address:
             self._thread.start()
@@ -130,7 +129,7 @@ class Reporter:
         assert self._address is not None
         client = ControllerClient(self._address, self._token, timeout=max(2.0, self.interval * 3),
                                   locator=self._locator)
-        while not self._closed:
+        while not self._closing.is_set():
             sent = time.monotonic()
             self._beat(client)
             # The next beat: ``interval`` after this one began (what the controller's silence
@@ -214,7 +213,6 @@ class Reporter:
                 return plan
 
     def close(self) -> None:
-        self._closed = True
         self._closing.set()
         self._wake.set()
         if self._thread.is_alive():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +80,6 @@ class CheckpointEngine:
     def __init__(self, spec: JobSpec, state: TrainingState, membership: Membership, reporter: Reporter,
                  injections: InjectionPoints, root: CheckpointRoot, job_id: str | None, token: str = "") -> None:
         self.spec = spec.checkpoint
-        # Called when this rank's persister begins a checkpoint it commits (the runtime: a heartbeat now).
-        self.commit_started: Callable[[], None] = lambda: None
         self._deterministic = spec.deterministic
         self._nproc_per_node = spec.nproc_per_node
         self._node_t1: NodeReplica | None = None
@@ -284,7 +281,7 @@ class CheckpointEngine:
                 current_generation=lambda: membership.generation,
                 commit_meta={"node": membership.node, NUMERICS_KEY: self.numerics},
                 sharded_state=self.dcp_layout().state_dict if self.state.sharded else None,
-                commit_started=lambda: self.commit_started())
+                commit_started=self.reporter.beat_now)  # the controller learns of the commit in flight now
         return self._persister
 
     def dcp_layout(self) -> DcpLayout:

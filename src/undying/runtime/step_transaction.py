@@ -73,7 +73,6 @@ class StepTransaction:
         # whose group (and connections, which peers wait on) would then outlive the generation.
         self.raised: tuple[list[str], str] | None = None
         self.voted = False
-        self.updated = False
         self.decided_at: float | None = None  # wall time this rank's vote and fence let it apply the step
         self.check = StepCheck(spec, membership.rank)
         self.bad_step: BadStep | None = None  # the vote found the step bad (no rank applied it)
@@ -83,12 +82,16 @@ class StepTransaction:
             state.register("undying.recent_losses", self.check.recent)  # job state: every rank holds it alike
         self.rng_sent = False  # this step's RNG mirror write has started (forward_done)
 
+    @property
+    def updated(self) -> bool:
+        """Did this rank decide to apply the step (its vote passed, and the fence)?"""
+        return self.decided_at is not None
+
     def begin(self, step: int) -> None:
         self.failure = None
         self.raised = None
         self.bad_step = None
         self.voted = False
-        self.updated = False
         self.decided_at = None
         self.timer.begin()
         self.check.begin_step()
@@ -200,7 +203,6 @@ class StepTransaction:
                 and self.membership.aborted():
             self.fail("the controller aborted this generation while this rank was silent")
             return False
-        self.updated = True
         self.decided_at = time.time()  # wall time: the sample log's ``decided``
         return True
 
