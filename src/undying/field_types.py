@@ -60,10 +60,6 @@ def _is_enum(expected: Any) -> bool:
     return isinstance(expected, type) and issubclass(expected, StrEnum)
 
 
-def _matches(value: Any, expected: Any) -> bool:
-    return _checker(expected)(value)
-
-
 @functools.cache
 def _field_checkers(cls: type) -> dict[str, Callable[[Any], bool]]:
     """Each field's checker, made once per class: every request body is checked against them."""
