@@ -114,12 +114,9 @@ class Message:
     RUN_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        names = _field_names(type(self))
-        if not self.RUN_FIELDS:
-            # As asdict, without its per-value machinery: a heartbeat goes out several times a second.
-            return {name: _plain(getattr(self, name)) for name in names}
-        # Field by field, not asdict: its deep copy of a 16k-rank list costs ~10 ms (bench/scale.py).
-        data = {name: _copied(getattr(self, name)) for name in names if name not in self.RUN_FIELDS}
+        # Field by field, not asdict: its per-value machinery is paid by every heartbeat, and its deep
+        # copy of a 16k-rank list costs ~10 ms (bench/scale.py; such lists travel as runs).
+        data = {name: _plain(getattr(self, name)) for name in _field_names(type(self)) if name not in self.RUN_FIELDS}
         data.update({f"{name}_runs": encode_runs(getattr(self, name)) for name in self.RUN_FIELDS})
         return data
 
@@ -158,11 +155,6 @@ def _plain(value: Any) -> Any:
     if is_dataclass(value) and not isinstance(value, type):
         return asdict(value)
     return value
-
-
-def _copied(value: Any) -> Any:
-    # A plan's and an order's fields are flat (ints, strings, lists of them): a shallow copy is a copy.
-    return list(value) if isinstance(value, list) else value
 
 
 @dataclass
