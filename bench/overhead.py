@@ -6,7 +6,11 @@ run interleaved (every configuration of every size once, then all again, ``--rep
 that a change in the machine's load falls on all of them alike:
 
 - ``torchrun``: stock ``DistributedDataParallel`` and AdamW, started by ``torchrun --standalone``
-  (this file's ``--torchrun-worker`` mode), no checkpoints;
+  (this file's ``--torchrun-worker`` mode), no checkpoints, each batch indexed straight from the dataset;
+- ``torchrun, DataLoader`` (only with ``--configs ...,torchrun-loader``): the same reading its batches
+  through torch's ``DataLoader`` with a ``DistributedSampler`` and taking each step's loss with
+  ``loss.item()``, as the undying script does (its ``ft.dataloader`` is a DataLoader inside): the
+  baseline a torchrun user's script pays too;
 - ``undying, snapshot every step``: examples/gpt/train.py under ``undying run``, a T1 snapshot at
   every step (``checkpoint.snapshot_interval: 1``), warm standby on;
 - ``undying, snapshot auto``: the same with ``snapshot_interval: auto`` (budget 1 %, the default);
@@ -29,7 +33,8 @@ step time over every ``WINDOW_STEPS`` steps (``windows_ms``): how much one run's
 nothing in it changes; and the CPU time the whole job (every process under its launcher, every
 thread) spends per step over the same window (``cpu_ms_per_step``, bench/job_cpu.py), steadier
 than the step time when the machine's speed drifts: the summary gives its median, range and excess
-over torchrun's (``cpu_overhead_percent``).
+over torchrun's (``cpu_overhead_percent``; against ``torchrun, DataLoader``, where it ran, the same
+with ``_vs_loader`` in the names).
 
     python bench/overhead.py --repeats 2 --out bench/results/overhead.json
 """
@@ -73,11 +78,12 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
     "8x320": (8, 320, 5, 160),
 }
 CONFIGS = ("torchrun", "undying, snapshot every step", "undying, snapshot auto")
+TORCHRUN_LOADER = "torchrun, DataLoader"
 EVERY_2 = "undying, snapshot every 2 steps"
 DEFAULTS = "undying defaults"
 INTERVALS = {"undying, snapshot every step": "1", "undying, snapshot auto": "auto", EVERY_2: "2", DEFAULTS: None}
-SHORT_NAMES = {"torchrun": CONFIGS[0], "every-step": CONFIGS[1], "auto": CONFIGS[2], "every-2": EVERY_2,
-               "defaults": DEFAULTS}  # --configs
+SHORT_NAMES = {"torchrun": CONFIGS[0], "torchrun-loader": TORCHRUN_LOADER, "every-step": CONFIGS[1],
+               "auto": CONFIGS[2], "every-2": EVERY_2, "defaults": DEFAULTS}  # --configs
 WINDOW_STEPS = 20
 RUN_TIMEOUT_S = 900
 CPU_SAMPLE_S = 0.5  # how often the job's CPU time is read (bench/job_cpu.py)
@@ -117,11 +123,12 @@ def model_args(size: str) -> list[str]:
     return ["--steps", str(steps), "--n-layer", str(n_layer), "--n-embd", str(n_embd), "--n-head", str(n_head)]
 
 
-def run_torchrun(size: str, work: Path) -> dict:
+def run_torchrun(size: str, work: Path, loader: bool = False) -> dict:
     log = work / "steps.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-               str(Path(__file__).resolve()), "--torchrun-worker", "--times-file", str(log), *model_args(size)]
+               str(Path(__file__).resolve()), "--torchrun-worker", "--times-file", str(log), *model_args(size),
+               *(["--loader"] if loader else [])]
     started = time.time()
     with subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as job:
         cpu = CpuSamples(job.pid)
@@ -195,8 +202,8 @@ def run_once(size: str, config: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="undying-overhead-") as tmp:
         load = load_average()
         started = time.time()
-        if config == "torchrun":
-            record = run_torchrun(size, Path(tmp))
+        if config in ("torchrun", TORCHRUN_LOADER):
+            record = run_torchrun(size, Path(tmp), loader=config == TORCHRUN_LOADER)
         else:
             record = run_undying(size, INTERVALS[config], Path(tmp))
         record.update(size=size, config=config, wall_seconds=round(time.time() - started, 1),
@@ -222,14 +229,14 @@ def summarize(runs: list[dict]) -> dict:
                          if (run["size"], run["config"]) == (size, config) and run.get("cpu_ms_per_step"))
             if cpu and config in rows:
                 rows[config].update(median_cpu_ms_per_step=round(statistics.median(cpu), 2), cpu_ms_range=[cpu[0], cpu[-1]])
-        baseline = rows.get("torchrun")
-        for config, row in rows.items():
-            if baseline and config != "torchrun":
-                row["overhead_percent"] = round(100 * (baseline["median_steps_per_second"]
-                                                       / row["median_steps_per_second"] - 1), 2)
-                if "median_cpu_ms_per_step" in row and "median_cpu_ms_per_step" in baseline:
-                    row["cpu_overhead_percent"] = round(100 * (row["median_cpu_ms_per_step"]
-                                                               / baseline["median_cpu_ms_per_step"] - 1), 2)
+        for suffix, baseline in (("", rows.get("torchrun")), ("_vs_loader", rows.get(TORCHRUN_LOADER))):
+            for config, row in rows.items():
+                if baseline and not config.startswith("torchrun"):
+                    row[f"overhead{suffix}_percent"] = round(100 * (baseline["median_steps_per_second"]
+                                                                    / row["median_steps_per_second"] - 1), 2)
+                    if "median_cpu_ms_per_step" in row and "median_cpu_ms_per_step" in baseline:
+                        row[f"cpu_overhead{suffix}_percent"] = round(
+                            100 * (row["median_cpu_ms_per_step"] / baseline["median_cpu_ms_per_step"] - 1), 2)
         summary[size] = rows
     return summary
 
@@ -239,8 +246,10 @@ def print_table(summary: dict) -> None:
           f"{'CPU extra':>10}")
     for size, rows in summary.items():
         for config, row in rows.items():
-            overhead = f"{row['overhead_percent']:+.1f} %" if "overhead_percent" in row else "-"
-            cpu_extra = f"{row['cpu_overhead_percent']:+.1f} %" if "cpu_overhead_percent" in row else "-"
+            overhead = " / ".join(f"{row[key]:+.1f} %" for key in ("overhead_percent", "overhead_vs_loader_percent")
+                                  if key in row) or "-"
+            cpu_extra = " / ".join(f"{row[key]:+.1f} %" for key in ("cpu_overhead_percent",
+                                                                    "cpu_overhead_vs_loader_percent") if key in row) or "-"
             print(f"{size:>6} {config:<30} {row['median_steps_per_second']:>8} {row['median_step_ms']:>8} "
                   f"{overhead:>9} {row.get('median_cpu_ms_per_step', '-'):>12} {cpu_extra:>10}")
 
@@ -250,6 +259,7 @@ def torchrun_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
 
     sys.path.insert(0, str(GPT_DIR))
     from data import CharDataset
@@ -264,14 +274,29 @@ def torchrun_worker(args: argparse.Namespace) -> None:
                                                   n_head=args.n_head, n_embd=args.n_embd)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
+    sampler = DistributedSampler(dataset, world, rank, seed=0, drop_last=True)  # type: ignore[arg-type]
+    loader = DataLoader(dataset, batch_size=4, sampler=sampler, drop_last=True)  # type: ignore[arg-type]
+    batches, epoch = iter(loader), 0
     ended: dict[int, float] = {}
     for step in range(args.steps):
-        start = (step * world + rank) * 4 % (len(order) - 4)  # wraps around: long runs outlast one epoch
-        batch = [dataset[int(i)] for i in order[start:start + 4]]
-        _, loss = model(torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch]))
+        if args.loader:
+            batch = next(batches, None)
+            if batch is None:  # a new epoch
+                epoch += 1
+                sampler.set_epoch(epoch)
+                batches = iter(loader)
+                batch = next(batches)
+            inputs, targets = batch
+        else:
+            start = (step * world + rank) * 4 % (len(order) - 4)  # wraps around: long runs outlast one epoch
+            batch = [dataset[int(i)] for i in order[start:start + 4]]
+            inputs, targets = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
+        _, loss = model(inputs, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if args.loader:
+            loss.item()
         ended[step + 1] = time.time()
     if rank == 0:
         Path(args.times_file).write_text(json.dumps(ended))
@@ -292,6 +317,7 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--n-embd", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--n-head", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--loader", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.torchrun_worker:
         torchrun_worker(args)

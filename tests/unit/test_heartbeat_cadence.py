@@ -1,6 +1,7 @@
 """The heartbeat thread's cadence (runtime/reporter.py): a beat every ``heartbeat_interval`` at the
 latest, whatever the steps do (the controller's silence timeouts count on it), progress beats,
-however fast the steps go, no closer than ``PROGRESS_MIN_SPACING``; ``close`` does not wait out a pause.
+however fast the steps go, no closer than ``PROGRESS_MIN_SPACING``, beats asked for (``beat_now``) no
+closer than the shorter ``ASK_MIN_SPACING``; ``close`` does not wait out a pause.
 
 The real thread loop, with the controller client replaced by a recorder of when each beat went.
 """
@@ -17,6 +18,7 @@ from undying.runtime import reporter as reporter_module
 from undying.runtime.reporter import Reporter
 
 SPACING = 0.5
+ASK_SPACING = 0.2
 INTERVAL = 0.6  # beside a 0.5 s spacing: a loop that waited the interval after the spacing beats every 1.1 s
 
 
@@ -28,9 +30,12 @@ class _NoClient:
         pass
 
 
-def _beats(monkeypatch: pytest.MonkeyPatch, seconds: float, step_every: float | None) -> list[float]:
-    """When the thread's beats began over ``seconds``, with the step moving every ``step_every`` s."""
+def _beats(monkeypatch: pytest.MonkeyPatch, seconds: float, step_every: float | None,
+           ask: bool = False) -> list[float]:
+    """When the thread's beats began over ``seconds``, with the step moving every ``step_every`` s
+    (and, with ``ask``, a beat asked for each time)."""
     monkeypatch.setattr(reporter_module, "PROGRESS_MIN_SPACING", SPACING)
+    monkeypatch.setattr(reporter_module, "ASK_MIN_SPACING", ASK_SPACING)
     monkeypatch.setattr(reporter_module, "ControllerClient", _NoClient)
     reporter = Reporter(None, "", rank=0, node=0, generation=1, interval=INTERVAL)
     reporter._address = "127.0.0.1:1"  # a thread of its own, as with a controller
@@ -46,6 +51,8 @@ def _beats(monkeypatch: pytest.MonkeyPatch, seconds: float, step_every: float | 
             continue
         step += 1
         reporter.update(step=step)
+        if ask:
+            reporter.beat_now()
         time.sleep(step_every)
     reporter._closing.set()
     reporter.beat_now()
@@ -69,6 +76,36 @@ def test_fast_steps_beat_at_the_spacing_and_never_later_than_the_interval(monkey
     assert len(gaps) >= 4
     assert min(gaps) >= SPACING - 0.01, gaps  # progress does not beat faster than the spacing
     assert max(gaps) < INTERVAL + 0.3, gaps
+
+
+def test_asked_beats_go_at_the_shorter_ask_spacing(monkeypatch: pytest.MonkeyPatch) -> None:
+    gaps = _gaps(_beats(monkeypatch, 3.0, step_every=0.01, ask=True))
+    assert len(gaps) >= 8
+    assert min(gaps) >= ASK_SPACING - 0.01, gaps
+    assert sorted(gaps)[len(gaps) // 2] < SPACING - 0.1, gaps  # not held for the progress spacing
+
+
+def test_an_ask_cuts_a_progress_pause_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reporter_module, "PROGRESS_MIN_SPACING", 5.0)
+    monkeypatch.setattr(reporter_module, "ASK_MIN_SPACING", 0.1)
+    monkeypatch.setattr(reporter_module, "ControllerClient", _NoClient)
+    reporter = Reporter(None, "", rank=0, node=0, generation=1, interval=10.0)
+    reporter._address = "127.0.0.1:1"
+    sent: list[float] = []
+    monkeypatch.setattr(reporter, "_beat", lambda _client: sent.append(time.monotonic()))
+    reporter._thread = threading.Thread(target=reporter._beat_forever, daemon=True)
+    reporter._thread.start()
+    time.sleep(0.3)
+    reporter.update(step=1)  # a progress beat, held for the 5 s spacing
+    time.sleep(0.3)
+    assert len(sent) == 1, sent
+    asked = time.monotonic()
+    reporter.beat_now()
+    deadline = time.monotonic() + 2.0
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reporter.close()
+    assert len(sent) >= 2 and sent[1] - asked < 1.0, (sent, asked)
 
 
 def test_close_does_not_wait_out_a_progress_pause(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -130,3 +130,35 @@ def test_rng_drawn_after_the_forward_is_written_again_before_the_vote() -> None:
     assert step.commit()
     assert store.keys == ["job/rng/2/8", "job/rng/2/index"] * 2, store.keys
     assert group.keys_at_vote == store.keys
+
+
+def test_steps_that_draw_nothing_leave_the_write_to_the_commit_which_still_mirrors_a_draw() -> None:
+    store = HeldStore()
+    store.release.set()
+    step, group = transaction(store)
+    step.forward_done()
+    assert step.commit()
+    assert store.keys == ["job/rng/2/8", "job/rng/2/index"], store.keys
+
+    step.state.committed_step = 8
+    step.begin(8)
+    step.forward_done()  # the state is the one mirrored: nothing to write, and the steps draw nothing
+    assert step.commit()
+    assert len(store.keys) == 2 and not step.rng_moves, store.keys
+
+    step.state.committed_step = 9
+    step.begin(9)
+    torch.rand(3)  # this step's forward draws
+    step.forward_done()
+    step.rng_mirror.wait()
+    assert len(store.keys) == 2, "an early write after a step that drew nothing"
+    assert step.commit()
+    assert group.keys_at_vote == store.keys == ["job/rng/2/8", "job/rng/2/index", "job/rng/2/10", "job/rng/2/index"]
+    assert step.rng_moves  # the next step's forward starts its write early again
+
+    step.state.committed_step = 10
+    step.begin(10)
+    torch.rand(3)
+    step.forward_done()
+    step.rng_mirror.wait()
+    assert store.keys[-2:] == ["job/rng/2/11", "job/rng/2/index"], store.keys

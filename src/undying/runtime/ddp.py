@@ -218,6 +218,7 @@ class FixedLayoutDDP(torch.nn.Module):
             layout = rebuilt_layout(self._params, order, options.first_bucket_bytes, options.bucket_bytes)
         self._buckets = [Bucket([self._params[index] for index in run], self._device) for run in layout]
         self._bucket_of = {id(p): index for index, bucket in enumerate(self._buckets) for p in bucket.params}
+        self._bucket_sizes = [len(bucket.params) for bucket in self._buckets]
         self._built_from = None if order is None else list(order)
 
     def averaged_parameters(self) -> list[torch.nn.Parameter]:
@@ -271,10 +272,14 @@ class FixedLayoutDDP(torch.nn.Module):
             queue_backward_callback(self._backward_finished)
         if not self._backward_averages:
             return
-        self._ready[self._bucket_of[id(param)]] += 1
-        while (len(self._pending) < len(self._buckets)
-               and self._ready[len(self._pending)] == len(self._buckets[len(self._pending)].params)):
-            self._launch_next()
+        bucket = self._bucket_of[id(param)]
+        self._ready[bucket] += 1
+        # Only the completion of the next bucket to launch launches anything: it, and the complete
+        # ones after it (a later bucket that completed first waited for it).
+        if bucket == len(self._pending) and self._ready[bucket] == self._bucket_sizes[bucket]:
+            while (len(self._pending) < len(self._buckets)
+                   and self._ready[len(self._pending)] == self._bucket_sizes[len(self._pending)]):
+                self._launch_next()
 
     def _backward_finished(self) -> None:
         averages = self._backward_averages

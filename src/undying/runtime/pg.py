@@ -31,7 +31,7 @@ ABORT_POLL_S = 0.05  # how often a waiting collective checks for an abort from t
 # connections open): from then on it has the controller asked for its word every so often, so an
 # abort reaches it within about ASK_AGAIN_S, not at the heartbeat thread's next beat (heartbeat_interval).
 ASK_CONTROLLER_AFTER_S = 0.25
-# ... and then this often (the reporter's PROGRESS_MIN_SPACING spaces these asks too).
+# ... and then this often (the reporter's ASK_MIN_SPACING spaces these asks too).
 ASK_AGAIN_S = 0.1
 DEVICE_POLL_MIN_S = 0.0001  # NCCL: first pause between polls of a collective's completion on the GPU
 DEVICE_POLL_MAX_S = 0.002  # ... doubling up to this

@@ -152,15 +152,16 @@ class RngMirror:
         self.start_write_rng(step, states)
         self.wait(abandon)
 
-    def start_write_rng(self, step: int, states: Mapping[int, dict[str, Any]] | None = None) -> None:
+    def start_write_rng(self, step: int, states: Mapping[int, dict[str, Any]] | None = None) -> bool:
         """Like ``write_rng``, but the write runs on the mirror's thread: the states are captured now,
-        and ``wait`` returns once they are in the store (or found unreachable)."""
+        and ``wait`` returns once they are in the store (or found unreachable). False when there was
+        nothing to write (the store holds these states already, or is lost until the next plan)."""
         states = states if states is not None else {self.rank: capture_rng()}
         data = {rank: self._encoded(rank, state) for rank, state in states.items()}
         if self._written is None or self._written.is_set():
             self.wait()  # returns at once; after it, the chains and _store_lost are the writer thread's final word
             if self._store_lost or self._nothing_to_write(step, data):
-                return  # the state did not change (the commit boundary's is usually the vote's): no trip to the thread
+                return False  # the state did not change (the commit boundary's is usually the vote's): no trip
         # Else a write is still in flight (a slow or frozen store): this one queues behind it, not
         # waited for here, and the writer skips it if it turns out to be the same.
         if self._writer is None:
@@ -169,6 +170,7 @@ class RngMirror:
             self._writer.start()
         self._written = threading.Event()
         self._writes.put((step, data, self._written))
+        return True
 
     def _encoded(self, rank: int, state: dict[str, Any]) -> bytes:
         """``state`` encoded for the store; the last encoding of ``rank``'s key again when its state

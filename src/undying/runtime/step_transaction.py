@@ -81,6 +81,9 @@ class StepTransaction:
         if spec.loss_spike_factor is not None:
             state.register("undying.recent_losses", self.check.recent)  # job state: every rank holds it alike
         self.rng_sent = False  # this step's RNG mirror write has started (forward_done)
+        # Did the last step move the RNG (its mirror had something to write)? Only then does the next
+        # step capture it early (forward_done): a script that draws nothing pays one capture a step.
+        self.rng_moves = True
 
     @property
     def updated(self) -> bool:
@@ -140,10 +143,12 @@ class StepTransaction:
     def forward_done(self) -> None:
         """After a training forward: once the step has taken its last micro-batch, start mirroring the
         RNG state the next step starts from (the forward drew its random numbers), so that the store's
-        round trip overlaps the backward pass; the commit writes it again only if it moved since."""
-        if not self.rng_sent and not self.voted and self.batches_taken():
+        round trip overlaps the backward pass; the commit writes it again only if it moved since.
+        Not while the steps draw nothing (``rng_moves``): the commit's own capture then finds the
+        state unchanged, and one capture a step is saved (NumPy's ``get_state`` is most of one)."""
+        if self.rng_moves and not self.rng_sent and not self.voted and self.batches_taken():
             self.rng_sent = True
-            self.rng_mirror.start_write_rng(self.state.committed_step + 1, self.state.rng_to_mirror())
+            self.rng_moves = self.rng_mirror.start_write_rng(self.state.committed_step + 1, self.state.rng_to_mirror())
 
     def fire_raise_injections(self) -> None:
         """Called by opt.step(): a ``raise`` injection fires inside the step body even unguarded."""
@@ -166,7 +171,8 @@ class StepTransaction:
             # The RNG state a replay of the next step starts from is in the mirror before this rank
             # votes yes: a rank lost after the vote (its peers apply the step) is replaced with it. The
             # write began when the step's last forward ended (forward_done); again only if it moved.
-            self.rng_mirror.start_write_rng(self.state.committed_step + 1, self.state.rng_to_mirror())
+            moved = self.rng_mirror.start_write_rng(self.state.committed_step + 1, self.state.rng_to_mirror())
+            self.rng_moves = (self.rng_sent and self.rng_moves) or moved
         try:
             # Averaged during backward as a rule; here only what a backward did not (no backward,
             # a rank voting no): every rank issues the same collectives in the same order.
