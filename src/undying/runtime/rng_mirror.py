@@ -5,7 +5,8 @@ its encoded RNG state for that step to the job's store, keeping the last few ste
 elastic job is shrunk, also the streams of the batch slots it covers for other ranks, each under
 that rank's key (runtime/slot_rng.py), and its own only while it covers its own slot. The next
 step's state is written on the mirror's own thread (``start_write_rng``) from the moment the step's
-last forward ends, so the store's round trip overlaps the backward pass, and the rank votes for the
+last forward ends (while the steps draw random numbers: runtime/step_transaction.py), so the store's
+round trip overlaps the backward pass, and the rank votes for the
 step only once it is stored (``wait``): a rank lost right after the vote, whose peers apply the
 step, is replaced with its RNG as of that step (runtime/step_transaction.py). The
 store lives in the controller's process; in a failover job (``--etcd``) the controller's
