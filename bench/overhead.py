@@ -42,6 +42,7 @@ with ``_vs_loader`` in the names).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -49,7 +50,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 GPT_DIR = REPO / "examples" / "gpt"
@@ -254,12 +257,33 @@ def print_table(summary: dict) -> None:
                   f"{overhead:>9} {row.get('median_cpu_ms_per_step', '-'):>12} {cpu_extra:>10}")
 
 
+def _indexed_batches(dataset: Any, rank: int, world: int) -> Iterator[tuple[Any, Any]]:
+    """This rank's batches of 4, indexed straight from the dataset in one fixed shuffled order."""
+    import torch
+
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
+    for step in itertools.count():
+        start = (step * world + rank) * 4 % (len(order) - 4)  # wraps around: long runs outlast one epoch
+        batch = [dataset[int(i)] for i in order[start:start + 4]]
+        yield torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
+
+
+def _loader_batches(dataset: Any, rank: int, world: int) -> Iterator[tuple[Any, Any]]:
+    """This rank's batches of 4 through torch's DataLoader and a DistributedSampler, epoch after epoch."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, world, rank, seed=0, drop_last=True)
+    loader = DataLoader(dataset, batch_size=4, sampler=sampler, drop_last=True)
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        yield from loader
+
+
 def torchrun_worker(args: argparse.Namespace) -> None:
     """One rank of the baseline: the example's GPT under stock DDP, rank 0 logging each step's end."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader, DistributedSampler
 
     sys.path.insert(0, str(GPT_DIR))
     from data import CharDataset
@@ -273,24 +297,11 @@ def torchrun_worker(args: argparse.Namespace) -> None:
     model = DistributedDataParallel(GPT(GPTConfig(vocab_size=dataset.vocab_size, block_size=32, n_layer=args.n_layer,
                                                   n_head=args.n_head, n_embd=args.n_embd)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
-    sampler = DistributedSampler(dataset, world, rank, seed=0, drop_last=True)  # type: ignore[arg-type]
-    loader = DataLoader(dataset, batch_size=4, sampler=sampler, drop_last=True)  # type: ignore[arg-type]
-    batches, epoch = iter(loader), 0
     ended: dict[int, float] = {}
-    for step in range(args.steps):
-        if args.loader:
-            batch = next(batches, None)
-            if batch is None:  # a new epoch
-                epoch += 1
-                sampler.set_epoch(epoch)
-                batches = iter(loader)
-                batch = next(batches)
-            inputs, targets = batch
-        else:
-            start = (step * world + rank) * 4 % (len(order) - 4)  # wraps around: long runs outlast one epoch
-            batch = [dataset[int(i)] for i in order[start:start + 4]]
-            inputs, targets = torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch])
+    for step, (inputs, targets) in enumerate(_loader_batches(dataset, rank, world) if args.loader
+                                             else _indexed_batches(dataset, rank, world)):
+        if step == args.steps:
+            break
         _, loss = model(inputs, targets)
         loss.backward()
         optimizer.step()
