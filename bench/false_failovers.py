@@ -4,7 +4,9 @@ Three ``undying run --etcd`` processes on loopback (nodes 0 and 1, 2 workers eac
 node), the default ``--lease-ttl`` (2 s) and heartbeat settings, train the GPT example for
 ``--steps`` steps against a local etcd this script starts, ``--runs`` times, while ``--busy``
 processes spin on the same cores. A run is clean when its event log holds no controller takeover
-or deposition, no lost agent, no fault detected and no decision, and the job succeeded.
+or deposition, no lost agent, no fault detected and no decision, and the job succeeded. ``--set
+KEY=VALUE`` (repeatable) goes to every node's ``undying run`` (e.g. ``warm_standby=false``: each
+worker a fresh process importing torch at the start, beside its agent).
 
     python bench/false_failovers.py --runs 20 --steps 40 --busy 2 --out bench/results/false_failovers.json
 """
@@ -39,7 +41,7 @@ def spin() -> None:
         pass
 
 
-def one_run(etcd: str, steps: int) -> dict:
+def one_run(etcd: str, steps: int, settings: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="undying-false-failover-") as tmp:
         run_dir = Path(tmp) / "run"
         run_dir.mkdir()
@@ -50,7 +52,8 @@ def one_run(etcd: str, steps: int) -> dict:
             command = [sys.executable, "-m", "undying.cli", "run", "--nnodes", "2", "--nproc-per-node", "2",
                        "--quiet", "--run-dir", str(run_dir), "--node-rank", str(node), "--etcd", etcd,
                        "--job-name", job, "--token-file", str(run_dir / "token"),
-                       *(["--standby", "1"] if node >= 2 else []), TRAIN, "--steps", str(steps)]
+                       *(["--standby", "1"] if node >= 2 else []),
+                       *(option for setting in settings for option in ("--set", setting)), TRAIN, "--steps", str(steps)]
             return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
 
@@ -72,6 +75,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--busy", type=int, default=2, help="busy loops beside the jobs")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                        help="a spec setting for every node's undying run (repeatable)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     spinners = [mp.Process(target=spin, daemon=True) for _ in range(args.busy)]
@@ -83,7 +88,7 @@ def main() -> None:
             etcd_process, etcd = start_etcd(Path(data))
             try:
                 for index in range(args.runs):
-                    runs.append(one_run(etcd, args.steps))
+                    runs.append(one_run(etcd, args.steps, args.settings))
                     loads.append(round(os.getloadavg()[0], 2))
                     print(index, runs[-1], flush=True)
             finally:
@@ -92,7 +97,7 @@ def main() -> None:
     finally:
         for spinner in spinners:
             spinner.terminate()
-    report = {"runs": args.runs, "steps": args.steps, "busy": args.busy,
+    report = {"runs": args.runs, "steps": args.steps, "busy": args.busy, "settings": args.settings,
               "clean_runs": sum(1 for run in runs if run["clean"]), "load_average": [min(loads), max(loads)],
               "details": runs}
     print(json.dumps({key: value for key, value in report.items() if key != "details"}, indent=2))

@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--step-sleep", type=float, default=0.0,
                         help="seconds to sleep in each step: stretches a run (tests) without changing its numbers")
+    parser.add_argument("--start-sleep", type=float, default=0.0,
+                        help="seconds to sleep before the first step: stretches the start (tests)")
     parser.add_argument("--final-state", default=None, help="rank 0 saves the final parameters here (tests)")
     parser.add_argument("--final-optimizer-state", default=None,
                         help="rank 0 saves the final optimizer state here, by parameter name (tests)")
@@ -71,6 +73,8 @@ def main() -> None:
     opt = ft.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
     loader = ft.dataloader(dataset, batch_size=args.batch_size, seed=args.seed)
 
+    if args.start_sleep:
+        time.sleep(args.start_sleep)
     last_loss = None
     for step in ft.steps(args.steps):
         with step:  # optional: lets `retry` re-run a step that raised, without a process restart

@@ -357,6 +357,36 @@ def test_a_frozen_host_is_replaced_by_a_spare(reference_run: JobRun, hosts) -> N
     assert returned.details["standby"] and returned.time > frozen_at, story  # see the test above
 
 
+def test_a_host_silent_while_its_ranks_start_is_not_lost(reference_run: JobRun, hosts) -> None:
+    """A host's start (imports, process group, restore) is its CPU's busiest time, when its agent
+    may wait a second for a core. SIGSTOP of node 1's process group for 1.5 s (past the 0.85 s a
+    training host may be silent) after its ranks said ``starting`` and before their first step:
+    the host is not taken for frozen, no fault, and the run ends bitwise equal to the fault-free one."""
+    cluster = hosts([], script_args=["--start-sleep", "5"])
+    cluster.start(0)
+    cluster.start(1)
+    cluster.wait_for_event("a starting heartbeat of node 1", lambda e: e.kind == ev.HEARTBEAT
+                           and e.rank in (2, 3) and e.details.get("phase") == "starting")
+    frozen_at = time.time()
+    cluster.signal_host(1, signal.SIGSTOP)
+    time.sleep(1.5)
+    woke_at = time.time()
+    cluster.signal_host(1, signal.SIGCONT)
+    code, output = cluster.wait(0)
+    run = JobRun(code, output, cluster.run_dir(0), cluster.mark)
+    story = timeline(run.events, frozen_at)
+    print(f"frozen at +0.00, woke at {woke_at - frozen_at:+.2f}\n{story}")
+    assert code == 0, output + story
+    assert cluster.wait(1, timeout=60)[0] == 0, story
+    # Node 1's ranks were still starting when it woke: their first beat from a step came after.
+    stepping = [e.time for e in run.kinds(ev.HEARTBEAT) if e.rank in (2, 3) and e.details.get("phase") != "starting"]
+    assert min(stepping) > woke_at - 0.05, story
+    assert not run.kinds(ev.AGENT_LOST) and not run.kinds(ev.FAULT_DETECTED), story
+    assert not run.kinds(ev.DECISION) and not run.kinds(ev.RESTART_BEGIN), story
+    assert run.result["final_step"] == STEPS
+    assert_ends_bitwise(run, reference_run, story)
+
+
 def test_a_stopped_worker_on_a_real_host_is_seen_by_its_agent_and_recovered_in_place(
         reference_run: JobRun, hosts) -> None:
     """SIGSTOP of one worker (its host and agent running): the agent reads the process's state and

@@ -10,10 +10,12 @@ from bytes its peers sent before they gave the step up, and it must not apply th
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 from tests.unit.job_harness import ShellJob
 from undying.controller.server import ControllerServer
+from undying.protocol import Phase
 from undying.runtime.reporter import Reporter
 
 TOKEN = "fence-token"
@@ -39,6 +41,35 @@ def test_a_stale_lease_asks_the_controller_and_a_fresh_one_does_not(tmp_path: Pa
 
         assert reporter.confirm_generation(lease=0.0)  # stale lease: one heartbeat from this thread
         assert reporter.abort_generation >= 1, "the fence must learn that generation 1 was aborted"
+    finally:
+        reporter.close()
+        server.stop()
+        job.close()
+
+
+def test_a_fresh_beat_after_a_silence_does_not_renew_the_lease(tmp_path: Path) -> None:
+    """A frozen host, woken: its heartbeat thread may be answered once before the training thread
+    reaches the fence, which makes the newest answered beat fresh. A gap of ``lease`` or more between
+    two answered beats since the step began still sends the fence to the controller; without such a
+    gap (or with the gap before the step began) the fresh beat holds."""
+    job = ShellJob(tmp_path, **SPEC)
+    server = ControllerServer(job.controller, TOKEN, "127.0.0.1", 0)
+    serving = threading.Thread(target=server.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+    serving.start()
+    reporter = Reporter(f"127.0.0.1:{server.port}", TOKEN, rank=2, node=1, generation=1, interval=QUIET)
+    lease = 0.3
+    try:
+        assert job.wait_for(lambda: reporter._answered_sent_at is not None)
+        began = time.monotonic()
+        reporter.report_now(0, Phase.COMPUTING)  # answered at once: no gap
+        assert not reporter.confirm_generation(lease, since=began)
+        time.sleep(lease + 0.1)  # silent past the lease (the thread sleeps QUIET seconds) ...
+        reporter.report_now(0, Phase.COMPUTING)  # ... then one beat, answered: the newest is fresh
+        assert not reporter.confirm_generation(lease)  # the newest beat alone would let the step go
+        job.start_two_nodes_and_kill_rank3()  # recover-in-place aborts generation 1
+        assert reporter.confirm_generation(lease, since=began), "a silence since the step began must ask"
+        assert reporter.abort_generation >= 1
+        assert not reporter.confirm_generation(lease, since=time.monotonic())  # the gap was before this step
     finally:
         reporter.close()
         server.stop()

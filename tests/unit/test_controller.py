@@ -998,6 +998,25 @@ def test_host_silence_timeout_sets_how_long_a_silent_host_is_waited_for(make_job
     assert lost_after is not None and 1.5 <= lost_after < 2.0
 
 
+def test_a_host_whose_ranks_are_still_starting_is_not_taken_for_frozen(make_job):
+    """A host's workers starting (imports, process group, restore) are its CPU's busiest time: its
+    agent may wait a second for a core (seen: 1.26 s with two workers importing torch beside it on
+    two cores). A node whose ranks have only said ``starting`` is left to the longer limits; once
+    one of them beats from its first step, the same silence is a frozen host again."""
+    job = make_job(**{**RECOVERY, "heartbeat_interval": 0.5, "heartbeat_timeout": 3.0})
+    job.start_running()
+    for rank in (2, 3):
+        job.beat(rank, 0, phase=Phase.STARTING)
+    assert freeze_node1_until_decided(job, limit=2.0) is None
+    assert job.events(ev.AGENT_LOST) == [] and job.events(ev.DECISION) == []
+    for rank in (2, 3):
+        job.beat(rank, 1)
+    lost_after = freeze_node1_until_decided(job)
+    [lost] = job.events(ev.AGENT_LOST)
+    assert lost.node == 1 and "neither its agent nor its ranks" in lost.details["why"], lost.details
+    assert lost_after is not None and 0.85 <= lost_after < 1.35
+
+
 def freeze_node1_until_decided(job: Job, limit: float = 6.0) -> float | None:
     """Node 1 silent (agent and ranks), node 0's ranks and agent heard, until the controller decides
     (or ``limit`` seconds): how long after the freeze node 1 was lost (None: not lost)."""

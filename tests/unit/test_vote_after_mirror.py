@@ -67,7 +67,7 @@ class Reporter:
     def emit(self, kind: str, step: int | None = None, **details: Any) -> None:
         pass
 
-    def confirm_generation(self, lease: float) -> bool:
+    def confirm_generation(self, lease: float, since: float | None = None) -> bool:
         return False
 
 

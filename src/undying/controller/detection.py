@@ -114,21 +114,23 @@ class FaultDetector:
         heard from: the host is frozen or cut off, node -> why. A live agent beats every
         ``spec.agent_beat_interval()`` on a connection of its own, whatever its poll and its orders
         are doing, and a stopped worker on a live host is its agent's to report; so one silence of
-        all of them at once is the host's. Empty unless the watchdog acts on hangs; a node without
-        a rank that beats yet (starting, a spare) is left to the longer limits below."""
+        all of them at once is the host's. Empty unless the watchdog acts on hangs. A node without a
+        rank that beats from a step yet is left to the longer limits below: a spare, or a node whose
+        ranks are all still starting (imports, process group, restore: its busiest CPU, when its agent
+        may wait a second for a core)."""
         if self.watchdog != "on":
             return {}
         limit = self.deadlines.host_silent
         # node -> the newest request of its agent, or of any of its ranks where the agent is silent
         newest = {node.node: max(node.last_heard, self._listening_since) for node in self.membership.nodes.values()
                   if node.alive and node.confirmed and not node.exit_delivered and node.last_heard is not None}
-        judged = []  # nodes whose agent is silent and that have a rank that beats: only they are judged
+        judged = []  # nodes whose agent is silent and that have a rank beating from a step: only they are judged
         for node, heard in newest.items():
             if now - heard > limit:  # a live agent beats well within it: steady state never gets here
-                beats = [beat for _, beat in self._beating_ranks(node)]
-                if beats:
+                beating = self._beating_ranks(node)
+                if any(record.phase != Phase.STARTING for record, _ in beating):
                     judged.append(node)
-                    newest[node] = max(heard, *beats)
+                    newest[node] = max(heard, *(beat for _, beat in beating))
         frozen = {node: now - newest[node] for node in judged if now - newest[node] > limit}
         if not frozen or all(now - heard > limit for node, heard in newest.items() if node not in frozen):
             return {}  # nobody else heard either: the controller's own network, not one host

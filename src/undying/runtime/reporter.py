@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,9 @@ PROGRESS_MIN_SPACING = 0.25
 # within about this; the end of a recovery is not measured by it (the worker's ``first_step`` event is).
 ASK_MIN_SPACING = 0.1
 EVENT_TIMEOUT_S = 5.0
+# Answered heartbeats whose spacing the commit fence reads (``confirm_generation``): more than a
+# step's worth at the closest spacing the fence cares about.
+ANSWERED_GAPS_KEPT = 16
 
 
 class Reporter:
@@ -77,6 +81,9 @@ class Reporter:
         # Monotonic time at which the newest heartbeat the controller answered was sent: the
         # controller cannot have declared this rank silent before that time + heartbeat_timeout.
         self._answered_sent_at: float | None = None
+        # The newest answered beats, each as (sent at, seconds since the answered beat before it): a
+        # fresh beat that ended a long silence (a frozen host, woken) does not make the lease fresh.
+        self._answered_gaps: deque[tuple[float, float]] = deque(maxlen=ANSWERED_GAPS_KEPT)
         self._address = address
         self._token = token
         self._locator = locator_from_env(os.environ)  # failover jobs: follow the controller when it moves
@@ -168,21 +175,27 @@ class Reporter:
             return
         self._generation.heard(reply.abort_generation, reply.end_generation)
         self.mirror_store = reply.mirror_store
-        self._answered_sent_at = max(self._answered_sent_at or sent_at, sent_at)
+        before = self._answered_sent_at
+        self._answered_sent_at = max(before or sent_at, sent_at)
+        if before is not None and sent_at > before:
+            self._answered_gaps.append((sent_at, sent_at - before))
 
-    def confirm_generation(self, lease: float) -> bool:
+    def confirm_generation(self, lease: float, since: float | None = None) -> bool:
         """The fence before a step is applied: unless a heartbeat sent less than ``lease`` seconds ago
-        was answered, ask the controller now (one heartbeat from the calling thread).
+        was answered, and (given ``since``, monotonic) no two answered beats since then were ``lease``
+        or more apart, ask the controller now (one heartbeat from the calling thread).
 
-        A rank stopped (SIGSTOP, a frozen host) longer than its heartbeat timeout may have been
-        replaced; woken, its all-reduce can still complete from bytes its peers sent before they gave
-        the step up, and without this it would apply a step the job never took. A controller that
-        does not answer cannot be replacing anyone (failover): the step goes on. Returns whether it
-        asked (the lease had run out)."""
+        A rank stopped (SIGSTOP, a frozen host) longer than its host's silence limit may have been
+        given up; woken, its all-reduce can still complete from bytes its peers sent before they gave
+        the step up, and without this it would apply a step the job never took. Its heartbeat thread
+        may have been answered once already since it woke: the silence before that beat counts too.
+        A controller that does not answer cannot be replacing anyone (failover): the step goes on.
+        Returns whether it asked (the lease had run out or was broken)."""
         if self._client is None:
             return False
         answered = self._answered_sent_at
-        if answered is not None and time.monotonic() - answered < lease:
+        broken = since is not None and any(sent >= since and gap >= lease for sent, gap in list(self._answered_gaps))
+        if answered is not None and time.monotonic() - answered < lease and not broken:
             return False
         self._beat(self._client)
         return True

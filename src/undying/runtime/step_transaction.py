@@ -74,6 +74,7 @@ class StepTransaction:
         self.raised: tuple[list[str], str] | None = None
         self.voted = False
         self.decided_at: float | None = None  # wall time this rank's vote and fence let it apply the step
+        self.began_at = 0.0  # monotonic time the step began
         self.check = StepCheck(spec, membership.rank)
         self.bad_step: BadStep | None = None  # the vote found the step bad (no rank applied it)
         self.timer = StepTimer(spec.straggler_window, self._data_seconds)
@@ -96,6 +97,7 @@ class StepTransaction:
         self.bad_step = None
         self.voted = False
         self.decided_at = None
+        self.began_at = time.monotonic()  # the commit fence asks if this rank was silent since
         self.timer.begin()
         self.check.begin_step()
         self.rng_sent = False
@@ -200,12 +202,14 @@ class StepTransaction:
         self.injections.at_point(AFTER_VOTE, self.state.committed_step)
         if sums and self.peer_copies is not None:
             self.peer_copies.vote_result(sums, self.membership.current_group().world_size)
-        # The fence: a rank silent for long enough to have been given up (a frozen host, woken) asks
-        # the controller first, and applies nothing if its generation was aborted meanwhile: its
-        # all-reduce may have completed from bytes its peers sent before they gave the step up. A
-        # rank heard from lately applies the step every rank voted for, even if a peer has died
-        # since: its peers apply it too, and a recovery starts from it.
-        if self.spec.watchdog == "on" and self.reporter.confirm_generation(lease=self.spec.host_silence_limit() / 2) \
+        # The fence: a rank silent for long enough to have been given up (a frozen host, woken: no
+        # answered beat lately, or a long gap between two since the step began) asks the controller
+        # first, and applies nothing if its generation was aborted meanwhile: its all-reduce may have
+        # completed from bytes its peers sent before they gave the step up. A rank heard from all
+        # along applies the step every rank voted for, even if a peer has died since: its peers
+        # apply it too, and a recovery starts from it.
+        lease = self.spec.host_silence_limit() / 2
+        if self.spec.watchdog == "on" and self.reporter.confirm_generation(lease, since=self.began_at) \
                 and self.membership.aborted():
             self.fail("the controller aborted this generation while this rank was silent")
             return False
