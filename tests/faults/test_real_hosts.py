@@ -232,6 +232,19 @@ def stopped_by(frozen_at: float) -> float:
     return frozen_at + 0.05
 
 
+def wake_node1_and_finish(cluster: Hosts, frozen_at: float) -> tuple[JobRun, str, float]:
+    """SIGCONT node 1's host and wait for the job, which must succeed: its run, its timeline from
+    the freeze (printed), and the wall time of the wake-up."""
+    woke_at = time.time()
+    cluster.signal_host(1, signal.SIGCONT)
+    code, output = cluster.wait(0)
+    run = JobRun(code, output, cluster.run_dir(0), cluster.mark)
+    story = timeline(run.events, frozen_at)
+    print(f"frozen at +0.00, woke at {woke_at - frozen_at:+.2f}\n{story}")
+    assert code == 0, output + story
+    return run, story, woke_at
+
+
 def assert_lost_as_a_frozen_host(run: JobRun, story: str) -> None:
     """Node 1's agent and ranks all went silent while node 0 was heard: the node is lost a
     heartbeat interval and a slack after their last beats (not at the 4 s heartbeat timeout), and
@@ -329,13 +342,7 @@ def test_a_frozen_host_is_replaced_by_a_spare(reference_run: JobRun, hosts) -> N
     cluster.start(2, spare=True)
     frozen_at = freeze_node1_after_a_few_steps(cluster)
     plan = cluster.wait_for_event("recovery_plan", lambda e: e.kind == ev.RECOVERY_PLAN)
-    woke_at = time.time()
-    cluster.signal_host(1, signal.SIGCONT)
-    code, output = cluster.wait(0)
-    run = JobRun(code, output, cluster.run_dir(0), cluster.mark)
-    story = timeline(run.events, frozen_at)
-    print(f"frozen at +0.00, woke at {woke_at - frozen_at:+.2f}\n{story}")
-    assert code == 0, output + story
+    run, story, _ = wake_node1_and_finish(cluster, frozen_at)
     assert cluster.wait(2, timeout=60)[0] == 0, story
     node1_code, node1_output = cluster.wait(1, timeout=60)
     assert node1_code == 0, node1_output + story
@@ -370,13 +377,7 @@ def test_a_host_silent_while_its_ranks_start_is_not_lost(reference_run: JobRun, 
     frozen_at = time.time()
     cluster.signal_host(1, signal.SIGSTOP)
     time.sleep(1.5)
-    woke_at = time.time()
-    cluster.signal_host(1, signal.SIGCONT)
-    code, output = cluster.wait(0)
-    run = JobRun(code, output, cluster.run_dir(0), cluster.mark)
-    story = timeline(run.events, frozen_at)
-    print(f"frozen at +0.00, woke at {woke_at - frozen_at:+.2f}\n{story}")
-    assert code == 0, output + story
+    run, story, woke_at = wake_node1_and_finish(cluster, frozen_at)
     assert cluster.wait(1, timeout=60)[0] == 0, story
     # Node 1's ranks were still starting when it woke: their first beat from a step came after.
     stepping = [e.time for e in run.kinds(ev.HEARTBEAT) if e.rank in (2, 3) and e.details.get("phase") != "starting"]
