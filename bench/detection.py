@@ -10,6 +10,9 @@ The GPT example on 2 simulated nodes x 2 workers, with the job spec's own ``hear
   at the controller is recorded, giving each rank's longest gap between two beats, and any fault
   the controller detected when none was injected.
 - ``retry``: an exception in rank 1's step 35: the phases from fault to the first step after it.
+- ``start``: fault-free starts under load, without warm standbys (each worker imports torch beside
+  its agent) and with them, the first step compiling (examples/loop/train.py ``--compile``): each
+  node's longest silence while its ranks were starting, and after (the phase each beat said).
 
     python bench/detection.py --mode hang retry load --repeats 3 --out bench/results/detection.json
 """
@@ -38,20 +41,20 @@ PROCESS = ["--set", "process_recover=true", "--set", "pod_rescheduling=on",
            "--recover-strategy", "retry,recover-in-place,recover,dump"]
 BASE = ["--nnodes", "2", "--nproc-per-node", "2", "--checkpoint-interval", "10", "--quiet"]
 HANG = ["--inject", f"hang:rank=1:step={FAULT_STEP}"]
-# The controller process, with every heartbeat's arrival recorded (rank, pid, monotonic time), and
-# every request of an agent (poll, report, beat) as rank -1 - node.
+# The controller process, with every heartbeat's arrival recorded (rank, pid, monotonic time, the
+# phase it said), and every request of an agent (poll, report, beat) as rank -1 - node.
 RECORD_BEATS = """
 import atexit, json, os, sys, time
 from undying.controller import machine
 arrivals = []
 original = machine.JobMachine.heartbeat
 def heartbeat(self, now, beat):
-    arrivals.append((beat.rank, beat.pid, time.monotonic()))
+    arrivals.append((beat.rank, beat.pid, time.monotonic(), str(beat.phase)))
     return original(self, now, beat)
 machine.JobMachine.heartbeat = heartbeat
 reported = machine.JobMachine.agent_report
 def agent_report(self, now, poll):
-    arrivals.append((-1 - poll.node, poll.pid, time.monotonic()))  # any request of node N's agent
+    arrivals.append((-1 - poll.node, poll.pid, time.monotonic(), ""))  # any request of node N's agent
     return reported(self, now, poll)
 machine.JobMachine.agent_report = agent_report
 atexit.register(lambda: open(os.environ["BENCH_BEATS"], "w").write(json.dumps(arrivals)))
@@ -60,15 +63,19 @@ sys.exit(main())
 """
 
 
-def run_job(options: list[str], steps: int, hogs: int = 0,
-            keep: Path | None = None) -> tuple[int, float, list[Event], list[list[float]]]:
+GPT = [str(REPO / "examples" / "gpt" / "train.py")]
+COMPILING = [str(REPO / "examples" / "loop" / "train.py"), "--compile", "--warmup", "1"]
+
+
+def run_job(options: list[str], steps: int, hogs: int = 0, keep: Path | None = None,
+            script: list[str] = GPT) -> tuple[int, float, list[Event], list[list]]:
     """One job: its exit code, wall seconds, events and heartbeat arrivals (its event log and
     agent logs copied to ``keep`` when given)."""
     with tempfile.TemporaryDirectory(prefix="undying-detect-") as tmp:
         run_dir = Path(tmp) / "run"
         beats_file = Path(tmp) / "beats.json"
         command = [sys.executable, "-c", RECORD_BEATS, "run", *BASE, *options, "--run-dir", str(run_dir),
-                   str(REPO / "examples" / "gpt" / "train.py"), "--steps", str(steps)]
+                   *script, "--steps", str(steps)]
         busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
         started = time.time()
         try:
@@ -85,14 +92,35 @@ def run_job(options: list[str], steps: int, hogs: int = 0,
         return result.returncode, round(wall, 3), read_events(run_dir), beats
 
 
-def beat_gaps(beats: list[list[float]], per_node: int = 2) -> dict[str, float]:
+def silences_by_phase(beats: list[list], per_node: int = 2) -> dict[str, float]:
+    """Each node's longest silence (no request from its agent or any of its ranks), split by what
+    its ranks' newest beats said when the silence began: all still ``starting`` (or none beat
+    yet), or later (training, the first step's compile included)."""
+    longest = {"max_node_silence_starting": 0.0, "max_node_silence_later": 0.0}
+    nodes: dict[int, list[list]] = {}
+    for arrival in beats:
+        rank = int(arrival[0])
+        nodes.setdefault(-1 - rank if rank < 0 else rank // per_node, []).append(arrival)
+    for arrivals in nodes.values():
+        arrivals.sort(key=lambda arrival: arrival[2])
+        phases: dict[int, str] = {}
+        for earlier, later in pairwise(arrivals):
+            if earlier[0] >= 0:
+                phases[int(earlier[0])] = earlier[3]
+            starting = all(phase == "starting" for phase in phases.values())
+            key = "max_node_silence_starting" if starting else "max_node_silence_later"
+            longest[key] = max(longest[key], round(later[2] - earlier[2], 3))
+    return longest
+
+
+def beat_gaps(beats: list[list], per_node: int = 2) -> dict[str, float]:
     """The longest and the 99th-percentile gap between two heartbeats of one process, over all ranks;
     the longest gap between two agent requests; and the longest silence of a whole node (its agent
     and all its ranks at once), which the controller takes for a frozen host past
     ``host_silence_timeout``."""
     by_process: dict[tuple[int, int], list[float]] = {}
     by_node: dict[int, list[float]] = {}
-    for rank, pid, at in beats:
+    for rank, pid, at, *_ in beats:
         by_process.setdefault((int(rank), int(pid)), []).append(at)
         by_node.setdefault(-1 - int(rank) if rank < 0 else int(rank) // per_node, []).append(at)
 
@@ -160,7 +188,8 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def scenarios(modes: list[str], hogs: int) -> list[tuple[str, list[str], int, int]]:
-    """(name, options, steps, hogs) of each run the modes ask for."""
+    """(name, options, steps, hogs) of each run the modes ask for (the ``compiling`` ones run
+    ``COMPILING``, the others the GPT example)."""
     plan = []
     if "hang" in modes:
         plan += [("recover-in-place, SIGSTOP worker, default heartbeats", [*PROCESS, *HANG], 60, 0),
@@ -174,12 +203,17 @@ def scenarios(modes: list[str], hogs: int) -> list[tuple[str, list[str], int, in
                   [*PROCESS, "--standby", "1"], 600, hogs),
                  (f"recover-in-place, SIGSTOP worker under load ({hogs} busy processes)",
                   [*PROCESS, "--standby", "1", *HANG], 200, hogs)]
+    if "start" in modes:
+        plan += [(f"fault-free start, no warm standby, compiling ({hogs} busy processes)",
+                  ["--set", "warm_standby=false"], 8, hogs),
+                 (f"fault-free start, warm standby, compiling ({hogs} busy processes)", [], 8, hogs)]
     return plan
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", nargs="+", choices=["hang", "retry", "load"], default=["hang", "retry", "load"])
+    parser.add_argument("--mode", nargs="+", choices=["hang", "retry", "load", "start"],
+                        default=["hang", "retry", "load"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hogs", type=int, default=4, help="busy processes beside the job in mode load")
     parser.add_argument("--only", nargs="*", help="scenario names (substring match)")
@@ -193,8 +227,9 @@ def main() -> None:
         runs = []
         for repeat in range(args.repeats):
             keep = Path(args.keep) / f"{len(results)}-{repeat}" if args.keep else None
-            code, wall, events, beats = run_job(options, steps, hogs, keep)
-            run: dict = {"exit_code": code, "wall_seconds": wall, **beat_gaps(beats),
+            code, wall, events, beats = run_job(options, steps, hogs, keep,
+                                                COMPILING if "compiling" in name else GPT)
+            run: dict = {"exit_code": code, "wall_seconds": wall, **beat_gaps(beats), **silences_by_phase(beats),
                          **(retry_phases(events) if "retry" in name else fault_timings(events))}
             run["faults_detected"] = len([e for e in events if e.kind == ev.FAULT_DETECTED])
             runs.append(run)
