@@ -92,6 +92,11 @@ def run_job(options: list[str], steps: int, hogs: int = 0, keep: Path | None = N
         return result.returncode, round(wall, 3), read_events(run_dir), beats
 
 
+def node_of(rank: int, per_node: int) -> int:
+    """The node of an arrival: a rank's, or -1 - node for a request of that node's agent."""
+    return -1 - rank if rank < 0 else rank // per_node
+
+
 def silences_by_phase(beats: list[list], per_node: int = 2) -> dict[str, float]:
     """Each node's longest silence (no request from its agent or any of its ranks), split by what
     its ranks' newest beats said when the silence began: all still ``starting`` (or none beat
@@ -99,8 +104,7 @@ def silences_by_phase(beats: list[list], per_node: int = 2) -> dict[str, float]:
     longest = {"max_node_silence_starting": 0.0, "max_node_silence_later": 0.0}
     nodes: dict[int, list[list]] = {}
     for arrival in beats:
-        rank = int(arrival[0])
-        nodes.setdefault(-1 - rank if rank < 0 else rank // per_node, []).append(arrival)
+        nodes.setdefault(node_of(int(arrival[0]), per_node), []).append(arrival)
     for arrivals in nodes.values():
         arrivals.sort(key=lambda arrival: arrival[2])
         phases: dict[int, str] = {}
@@ -122,7 +126,7 @@ def beat_gaps(beats: list[list], per_node: int = 2) -> dict[str, float]:
     by_node: dict[int, list[float]] = {}
     for rank, pid, at, *_ in beats:
         by_process.setdefault((int(rank), int(pid)), []).append(at)
-        by_node.setdefault(-1 - int(rank) if rank < 0 else int(rank) // per_node, []).append(at)
+        by_node.setdefault(node_of(int(rank), per_node), []).append(at)
 
     def gaps_of(groups: list[list[float]]) -> list[float]:
         return sorted(later - earlier for times in groups for earlier, later in pairwise(sorted(times)))
@@ -187,26 +191,25 @@ def summarize(runs: list[dict]) -> dict:
     return summary
 
 
-def scenarios(modes: list[str], hogs: int) -> list[tuple[str, list[str], int, int]]:
-    """(name, options, steps, hogs) of each run the modes ask for (the ``compiling`` ones run
-    ``COMPILING``, the others the GPT example)."""
+def scenarios(modes: list[str], hogs: int) -> list[tuple[str, list[str], int, int, list[str]]]:
+    """(name, options, steps, hogs, script) of each run the modes ask for."""
     plan = []
     if "hang" in modes:
-        plan += [("recover-in-place, SIGSTOP worker, default heartbeats", [*PROCESS, *HANG], 60, 0),
-                 ("job-restart, SIGSTOP worker, default heartbeats", HANG, 60, 0)]
+        plan += [("recover-in-place, SIGSTOP worker, default heartbeats", [*PROCESS, *HANG], 60, 0, GPT),
+                 ("job-restart, SIGSTOP worker, default heartbeats", HANG, 60, 0, GPT)]
     if "load" in modes and "hang" in modes:
-        plan.append((f"job-restart, SIGSTOP worker under load ({hogs} busy processes)", HANG, 60, hogs))
+        plan.append((f"job-restart, SIGSTOP worker under load ({hogs} busy processes)", HANG, 60, hogs, GPT))
     if "retry" in modes:
-        plan.append(("retry, exception in step", [*PROCESS, "--inject", f"raise:rank=1:step={FAULT_STEP}"], 60, 0))
+        plan.append(("retry, exception in step", [*PROCESS, "--inject", f"raise:rank=1:step={FAULT_STEP}"], 60, 0, GPT))
     if "load" in modes:
         plan += [(f"fault-free under load ({hogs} busy processes, spare agent)",
-                  [*PROCESS, "--standby", "1"], 600, hogs),
+                  [*PROCESS, "--standby", "1"], 600, hogs, GPT),
                  (f"recover-in-place, SIGSTOP worker under load ({hogs} busy processes)",
-                  [*PROCESS, "--standby", "1", *HANG], 200, hogs)]
+                  [*PROCESS, "--standby", "1", *HANG], 200, hogs, GPT)]
     if "start" in modes:
         plan += [(f"fault-free start, no warm standby, compiling ({hogs} busy processes)",
-                  ["--set", "warm_standby=false"], 8, hogs),
-                 (f"fault-free start, warm standby, compiling ({hogs} busy processes)", [], 8, hogs)]
+                  ["--set", "warm_standby=false"], 8, hogs, COMPILING),
+                 (f"fault-free start, warm standby, compiling ({hogs} busy processes)", [], 8, hogs, COMPILING)]
     return plan
 
 
@@ -221,14 +224,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "detection.json"))
     args = parser.parse_args()
     results: dict[str, dict] = {}
-    for name, options, steps, hogs in scenarios(args.mode, args.hogs):
+    for name, options, steps, hogs, script in scenarios(args.mode, args.hogs):
         if args.only and not any(part in name for part in args.only):
             continue
         runs = []
         for repeat in range(args.repeats):
             keep = Path(args.keep) / f"{len(results)}-{repeat}" if args.keep else None
-            code, wall, events, beats = run_job(options, steps, hogs, keep,
-                                                COMPILING if "compiling" in name else GPT)
+            code, wall, events, beats = run_job(options, steps, hogs, keep, script)
             run: dict = {"exit_code": code, "wall_seconds": wall, **beat_gaps(beats), **silences_by_phase(beats),
                          **(retry_phases(events) if "retry" in name else fault_timings(events))}
             run["faults_detected"] = len([e for e in events if e.kind == ev.FAULT_DETECTED])

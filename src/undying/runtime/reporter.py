@@ -194,11 +194,15 @@ class Reporter:
         if self._client is None:
             return False
         answered = self._answered_sent_at
-        broken = since is not None and any(sent >= since and gap >= lease for sent, gap in list(self._answered_gaps))
-        if answered is not None and time.monotonic() - answered < lease and not broken:
+        if answered is not None and time.monotonic() - answered < lease and not self._silent_since(since, lease):
             return False
         self._beat(self._client)
         return True
+
+    def _silent_since(self, since: float | None, lease: float) -> bool:
+        """Were two answered beats sent after ``since`` (monotonic; None: never asked) ``lease`` or
+        more apart?"""
+        return since is not None and any(sent >= since and gap >= lease for sent, gap in list(self._answered_gaps))
 
     def emit(self, kind: str, step: int | None = None, **details: Any) -> None:
         event = Event(kind=kind, node=self.node, rank=self.rank, step=self.step if step is None else step,
