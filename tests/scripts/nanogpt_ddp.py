@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nanogpt import Setup, arguments, train_step  # noqa: E402
+from torchrun_exit import end_without_teardown  # noqa: E402
 
 import undying  # noqa: E402
 
@@ -38,12 +39,8 @@ def main() -> None:
         if args.final_state:
             torch.save(raw_model.state_dict(), args.final_state)
         print(json.dumps({"param_sha256": undying.param_sha256(raw_model)}), flush=True)
-    # DDP's reducer holds the group: left to the interpreter's teardown, gloo's threads can abort the
-    # process after its result is out ("terminate called without an active exception", about one
-    # run in seven on 2 busy cores). Released first, with every rank done, the group ends cleanly.
-    del model
-    dist.barrier()
-    dist.destroy_process_group()
+    del model  # DDP's reducer holds the group
+    end_without_teardown()
 
 
 if __name__ == "__main__":
