@@ -80,6 +80,10 @@ def main() -> None:
     if rank == 0:
         torch.save(model.module.state_dict(), args.final_state)
         print(json.dumps({"param_sha256": undying.param_sha256(model.module), "final_loss": last_loss}), flush=True)
+    # DDP's reducer holds the group: released before it, with every rank done, so the group is shut
+    # down here and not by the interpreter's teardown, where gloo's threads can abort the process.
+    del model
+    dist.barrier()
     dist.destroy_process_group()
 
 
