@@ -1,0 +1,144 @@
+"""CPU per step of four ways to average gradients during backward: stock DDP, stock DDP with a Python
+comm hook doing DDP's arithmetic, the same hook returning a future of its own that the all-reduce's
+completion sets (so that an abort could set it without the all-reduce), and undying's Python buckets (``FixedLayoutDDP``).
+
+The question it answers: would torch's C++ reducer with undying's collectives in a comm hook cost
+less per step than undying's per-parameter Python hooks? Spawns WORLD gloo processes on loopback;
+each builds the four models (same weights, same bucket caps) and runs STEPS steps of each, the four
+interleaved step by step behind a barrier, so that machine noise falls on all alike. Per model and
+step it records the training thread's CPU time (``time.thread_time``), the whole process's
+(``time.process_time``: gloo's threads too) and the wall time; rank 0 reports the
+medians, and whether each model's final parameters are bitwise equal to stock DDP's.
+
+    python bench/studies/reducer_hook.py --world 4 --steps 200 --out bench/results/reducer_hook.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))  # the shared helpers
+from spawn_ranks import spawn_ranks  # noqa: E402
+
+
+def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> None:  # spawn_ranks' target
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, str(REPO / "examples" / "gpt"))
+    from model import GPT, GPTConfig
+
+    from undying.runtime.ddp import FixedLayoutDDP
+    from undying.runtime.ddp_options import DDPOptions
+    from undying.runtime.pg import GenerationGroup
+
+    torch.set_num_threads(1)
+    world = args.world
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore("ddp", store), rank=rank, world_size=world)
+    hook_group = dist.new_group(backend="gloo")
+    abortable_group = dist.new_group(backend="gloo")
+    group = GenerationGroup(store, "undying", 1, rank, world, "gloo", 60.0, torch.device("cpu"))
+    config = GPTConfig(vocab_size=65, block_size=args.block_size, n_layer=args.n_layer, n_head=4,
+                       n_embd=args.n_embd)
+    # DDP's rule: its first rebuilt bucket is cut at 1 MiB only when bucket_cap_mb is left at its default.
+    default_cap = args.bucket_mb is None
+    cap = int((25.0 if default_cap else args.bucket_mb) * 2**20)
+    first = 2**20 if default_cap else cap
+
+    def gpt() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GPT(config)
+
+    def ddp() -> DistributedDataParallel:
+        return DistributedDataParallel(gpt(), **({} if default_cap else {"bucket_cap_mb": args.bucket_mb}))
+
+    def hook(pg: Any) -> Any:
+        def average(_state, bucket):  # unannotated: DDP checks a hook's annotations against its own types
+            # DDP's arithmetic: each gradient times 1/world (one product per element), then the sum.
+            buffer = bucket.buffer().mul_(1.0 / world)
+            return dist.all_reduce(buffer, group=pg, async_op=True).get_future().then(lambda done: done.value()[0])
+        return average
+
+    def abortable_hook(_state, bucket):  # unannotated: DDP checks a hook's annotations against its own types
+        # The future DDP's reducer waits on is ours: the all-reduce's completion sets it (on gloo's
+        # thread), and an abort could set it first, from any thread, with the bucket as it is.
+        buffer = bucket.buffer().mul_(1.0 / world)
+        mine: torch.futures.Future = torch.futures.Future()
+        once = threading.Lock()
+
+        def complete(_done: Any) -> None:
+            if once.acquire(blocking=False):
+                mine.set_result(buffer)
+
+        dist.all_reduce(buffer, group=abortable_group, async_op=True).get_future().add_done_callback(complete)
+        return mine
+
+    models: dict[str, torch.nn.Module] = {"ddp": ddp(), "ddp_python_hook": ddp(), "ddp_abortable_hook": ddp()}
+    models["ddp_python_hook"].register_comm_hook(None, hook(hook_group))
+    models["ddp_abortable_hook"].register_comm_hook(None, abortable_hook)
+    models["undying_buckets"] = FixedLayoutDDP(gpt(), lambda: group, torch.device("cpu"),
+                                               options=DDPOptions(first_bucket_bytes=first, bucket_bytes=cap))
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3) for name, model in models.items()}
+    generator = torch.Generator().manual_seed(rank)
+    timings: dict[str, dict[str, list[float]]] = {name: {"thread": [], "process": [], "wall": []} for name in models}
+    for step in range(args.steps + args.warmup):
+        x = torch.randint(0, 65, (args.batch_size, args.block_size), generator=generator)
+        y = torch.randint(0, 65, (args.batch_size, args.block_size), generator=generator)
+        for name, model in models.items():
+            dist.barrier()
+            thread, process, wall = time.thread_time(), time.process_time(), time.perf_counter()
+            if isinstance(model, FixedLayoutDDP):
+                model.begin_step()
+            _, loss = model(x, y)
+            loss.backward()
+            if isinstance(model, FixedLayoutDDP):
+                model.sync_gradients()
+            optimizers[name].step()
+            optimizers[name].zero_grad(set_to_none=True)
+            if step >= args.warmup:
+                timings[name]["thread"].append(time.thread_time() - thread)
+                timings[name]["process"].append(time.process_time() - process)
+                timings[name]["wall"].append(time.perf_counter() - wall)
+    reference = models["ddp"].module.state_dict()
+    result = {name: {**{f"{kind}_ms": round(statistics.median(values) * 1e3, 3) for kind, values in kinds.items()},
+                     "bitwise_equal_to_ddp": all(torch.equal(reference[key], value) for key, value in
+                                                 getattr(models[name], "module", models[name]).state_dict().items())}
+              for name, kinds in timings.items()}
+    queue.put((rank, result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--bucket-mb", type=float, default=None, help="DDP's bucket_cap_mb, and undying's (default: DDP's)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = spawn_ranks(args.world, worker, args)
+    report = {"arguments": vars(args), "per_rank": {str(rank): results[rank] for rank in sorted(results)}}
+    print(json.dumps(report, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
