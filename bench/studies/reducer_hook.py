@@ -1,16 +1,17 @@
 """CPU per step of four ways to average gradients during backward: stock DDP, stock DDP with a Python
 comm hook doing DDP's arithmetic, the same hook returning a future of its own that the all-reduce's
-completion sets (so that an abort could set it without the all-reduce), and undying's Python buckets (``FixedLayoutDDP``).
+completion sets (an abort could set it first, without the all-reduce), and undying's Python buckets
+(``FixedLayoutDDP``).
 
 The question it answers: would torch's C++ reducer with undying's collectives in a comm hook cost
 less per step than undying's per-parameter Python hooks? Spawns WORLD gloo processes on loopback;
-each builds the four models (same weights, same bucket caps) and runs STEPS steps of each, the four
+each builds the four models (same weights, DDP's bucket caps) and runs STEPS steps of each, the four
 interleaved step by step behind a barrier, so that machine noise falls on all alike. Per model and
-step it records the training thread's CPU time (``time.thread_time``), the whole process's
-(``time.process_time``: gloo's threads too) and the wall time; rank 0 reports the
-medians, and whether each model's final parameters are bitwise equal to stock DDP's.
+step each rank records its training thread's CPU time (``time.thread_time``), its whole process's
+(``time.process_time``: gloo's threads too) and the wall time, and reports their medians and
+whether each model's final parameters are bitwise equal to stock DDP's.
 
-    python bench/studies/reducer_hook.py --world 4 --steps 200 --out bench/results/reducer_hook.json
+    python bench/studies/reducer_hook.py --world 4 --steps 300 --out bench/results/reducer_hook.json
 """
 
 from __future__ import annotations
