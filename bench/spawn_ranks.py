@@ -1,16 +1,19 @@
 """Run one function as WORLD processes on this machine and collect what each rank returns.
 
 Used by the benchmarks that time collectives between real processes (bench/step_checks.py,
-bench/repair_memory.py, bench/studies/commit_vote.py, bench/studies/gradient_sync.py): each rank gets
-its index, the arguments and a free loopback port for its store, and puts ``(rank, result)`` on the
-queue it is handed.
+bench/repair_memory.py, bench/studies/commit_vote.py, bench/studies/gradient_sync.py,
+bench/studies/reducer_hook.py): each rank gets its index, the arguments and a free loopback port for
+its store, and puts ``(rank, result)`` on the queue it is handed; ``join_gloo``, ``example_gpt`` and
+``add_gpt_arguments`` are what the studies of the example GPT share.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 RESULT_TIMEOUT_S = 1200
@@ -34,3 +37,42 @@ def spawn_ranks(world: int, target: Callable[..., None], *args: Any) -> dict[int
     for process in processes:
         process.join()
     return results
+
+
+def join_gloo(rank: int, world: int, port: int) -> Any:
+    """In a spawned rank: one thread of torch, the store on ``port`` (rank 0 serves it) and the
+    default gloo group on it (under the prefix ``ddp``); returns the store, for more groups."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore("ddp", store), rank=rank, world_size=world)
+    return store
+
+
+def example_gpt(repo: Path, block_size: int, n_layer: int, n_embd: int) -> Callable[[], Any]:
+    """A maker of examples/gpt's model (65-token vocabulary, 4 heads), the same weights at each call."""
+    import torch
+
+    sys.path.insert(0, str(repo / "examples" / "gpt"))
+    from model import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=65, block_size=block_size, n_layer=n_layer, n_head=4, n_embd=n_embd)
+
+    def make() -> Any:
+        torch.manual_seed(0)
+        return GPT(config)
+
+    return make
+
+
+def add_gpt_arguments(parser: Any) -> None:
+    """The options of a study that times ``example_gpt`` on ``--world`` ranks (argparse parser)."""
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)

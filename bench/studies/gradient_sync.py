@@ -12,7 +12,6 @@ alike. Reports the median step time of each on rank 0.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing as mp
 import statistics
@@ -22,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))  # the shared helpers
-from spawn_ranks import spawn_ranks  # noqa: E402
+from spawn_ranks import add_gpt_arguments, example_gpt, join_gloo, spawn_ranks  # noqa: E402
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> None:  # spawn_ranks' target
@@ -30,26 +29,16 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    sys.path.insert(0, str(REPO / "examples" / "gpt"))
-    from model import GPT, GPTConfig
-
     from undying.runtime.ddp import FixedLayoutDDP, commit_vote
     from undying.runtime.ddp_options import DDPOptions
     from undying.runtime.pg import GenerationGroup
 
-    torch.set_num_threads(1)
     world = args.world
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore("ddp", store), rank=rank, world_size=world)
+    store = join_gloo(rank, world, port)
     group = GenerationGroup(store, "undying", 1, rank, world, "gloo", 60.0, torch.device("cpu"))
-    config = GPTConfig(vocab_size=65, block_size=args.block_size, n_layer=args.n_layer, n_head=4,
-                       n_embd=args.n_embd)
+    gpt = example_gpt(REPO, args.block_size, args.n_layer, args.n_embd)
     cap = int(args.bucket_mb * 1024 * 1024)
     options = DDPOptions(first_bucket_bytes=cap, bucket_bytes=cap)
-
-    def gpt() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return GPT(config)
 
     models = {
         "undying_in_backward": FixedLayoutDDP(gpt(), lambda: group, torch.device("cpu"), options=options),
@@ -83,13 +72,9 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=128)
+    add_gpt_arguments(parser)
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="bucket cap of both undying and DDP")
     args = parser.parse_args()
     results = spawn_ranks(args.world, worker, args)

@@ -17,7 +17,6 @@ whether each model's final parameters are bitwise equal to stock DDP's.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing as mp
 import statistics
@@ -29,7 +28,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))  # the shared helpers
-from spawn_ranks import spawn_ranks  # noqa: E402
+from spawn_ranks import add_gpt_arguments, example_gpt, join_gloo, spawn_ranks  # noqa: E402
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> None:  # spawn_ranks' target
@@ -37,30 +36,20 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    sys.path.insert(0, str(REPO / "examples" / "gpt"))
-    from model import GPT, GPTConfig
-
     from undying.runtime.ddp import FixedLayoutDDP
     from undying.runtime.ddp_options import DDPOptions
     from undying.runtime.pg import GenerationGroup
 
-    torch.set_num_threads(1)
     world = args.world
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore("ddp", store), rank=rank, world_size=world)
+    store = join_gloo(rank, world, port)
     hook_group = dist.new_group(backend="gloo")
     abortable_group = dist.new_group(backend="gloo")
     group = GenerationGroup(store, "undying", 1, rank, world, "gloo", 60.0, torch.device("cpu"))
-    config = GPTConfig(vocab_size=65, block_size=args.block_size, n_layer=args.n_layer, n_head=4,
-                       n_embd=args.n_embd)
+    gpt = example_gpt(REPO, args.block_size, args.n_layer, args.n_embd)
     # DDP's rule: its first rebuilt bucket is cut at 1 MiB only when bucket_cap_mb is left at its default.
     default_cap = args.bucket_mb is None
     cap = int((25.0 if default_cap else args.bucket_mb) * 2**20)
     first = 2**20 if default_cap else cap
-
-    def gpt() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return GPT(config)
 
     def ddp() -> DistributedDataParallel:
         return DistributedDataParallel(gpt(), **({} if default_cap else {"bucket_cap_mb": args.bucket_mb}))
@@ -124,13 +113,9 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=128)
+    add_gpt_arguments(parser)
     parser.add_argument("--bucket-mb", type=float, default=None, help="DDP's bucket_cap_mb, and undying's (default: DDP's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
