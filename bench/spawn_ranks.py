@@ -3,8 +3,8 @@
 Used by the benchmarks that time collectives between real processes (bench/step_checks.py,
 bench/repair_memory.py, bench/studies/commit_vote.py, bench/studies/gradient_sync.py,
 bench/studies/reducer_hook.py): each rank gets its index, the arguments and a free loopback port for
-its store, and puts ``(rank, result)`` on the queue it is handed; ``join_gloo``, ``example_gpt`` and
-``add_gpt_arguments`` are what the studies of the example GPT share.
+its store, and puts ``(rank, result)`` on the queue it is handed; ``join_gloo``, ``example_gpt``,
+``add_gpt_arguments``, ``gpt_batch`` and ``gpt_step`` are what the studies of the example GPT share.
 """
 
 from __future__ import annotations
@@ -76,3 +76,28 @@ def add_gpt_arguments(parser: Any) -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
+
+
+def gpt_batch(args: Any, generator: Any) -> tuple[Any, Any]:
+    """One batch of random tokens for ``example_gpt`` (inputs, targets), ``args.batch_size`` x ``args.block_size``."""
+    import torch
+
+    shape = (args.batch_size, args.block_size)
+    return torch.randint(0, 65, shape, generator=generator), torch.randint(0, 65, shape, generator=generator)
+
+
+def gpt_step(model: Any, optimizer: Any, x: Any, y: Any, after_sync: Callable[[], None] = lambda: None) -> None:
+    """One training step of ``example_gpt`` under stock DDP or undying's ``FixedLayoutDDP``, whose step
+    is begun and whose average completed as the runtime does (``after_sync`` then: e.g. a commit vote)."""
+    from undying.runtime.ddp import FixedLayoutDDP
+
+    undying = isinstance(model, FixedLayoutDDP)
+    if undying:
+        model.begin_step()
+    _, loss = model(x, y)
+    loss.backward()
+    if undying:
+        model.sync_gradients()
+        after_sync()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

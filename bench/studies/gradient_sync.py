@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))  # the shared helpers
-from spawn_ranks import add_gpt_arguments, example_gpt, join_gloo, spawn_ranks  # noqa: E402
+from spawn_ranks import add_gpt_arguments, example_gpt, gpt_batch, gpt_step, join_gloo, spawn_ranks  # noqa: E402
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> None:  # spawn_ranks' target
@@ -30,15 +30,14 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
     from torch.nn.parallel import DistributedDataParallel
 
     from undying.runtime.ddp import FixedLayoutDDP, commit_vote
-    from undying.runtime.ddp_options import DDPOptions
+    from undying.runtime.ddp_options import parse_ddp_options
     from undying.runtime.pg import GenerationGroup
 
     world = args.world
     store = join_gloo(rank, world, port)
     group = GenerationGroup(store, "undying", 1, rank, world, "gloo", 60.0, torch.device("cpu"))
     gpt = example_gpt(REPO, args.block_size, args.n_layer, args.n_embd)
-    cap = int(args.bucket_mb * 1024 * 1024)
-    options = DDPOptions(first_bucket_bytes=cap, bucket_bytes=cap)
+    options = parse_ddp_options({"bucket_cap_mb": args.bucket_mb}, torch.device("cpu"))  # DDP's buckets
 
     models = {
         "undying_in_backward": FixedLayoutDDP(gpt(), lambda: group, torch.device("cpu"), options=options),
@@ -47,23 +46,18 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
         "ddp": DistributedDataParallel(gpt(), bucket_cap_mb=args.bucket_mb),
     }
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3) for name, model in models.items()}
+
+    def vote() -> None:
+        assert commit_vote(group, True, torch.device("cpu"))
+
     generator = torch.Generator().manual_seed(rank)
     timings: dict[str, list[float]] = {name: [] for name in models}
     for step in range(args.steps + args.warmup):
-        x = torch.randint(0, 65, (args.batch_size, args.block_size), generator=generator)
-        y = torch.randint(0, 65, (args.batch_size, args.block_size), generator=generator)
+        x, y = gpt_batch(args, generator)
         for name, model in models.items():
             dist.barrier()
             started = time.perf_counter()
-            if isinstance(model, FixedLayoutDDP):
-                model.begin_step()
-            _, loss = model(x, y)
-            loss.backward()
-            if isinstance(model, FixedLayoutDDP):
-                model.sync_gradients()
-                assert commit_vote(group, True, torch.device("cpu"))
-            optimizers[name].step()
-            optimizers[name].zero_grad(set_to_none=True)
+            gpt_step(model, optimizers[name], x, y, vote)
             if step >= args.warmup:
                 timings[name].append(time.perf_counter() - started)
     queue.put((rank, {name: statistics.median(values) for name, values in timings.items()}))

@@ -28,7 +28,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))  # the shared helpers
-from spawn_ranks import add_gpt_arguments, example_gpt, join_gloo, spawn_ranks  # noqa: E402
+from spawn_ranks import add_gpt_arguments, example_gpt, gpt_batch, gpt_step, join_gloo, spawn_ranks  # noqa: E402
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> None:  # spawn_ranks' target
@@ -37,7 +37,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
     from torch.nn.parallel import DistributedDataParallel
 
     from undying.runtime.ddp import FixedLayoutDDP
-    from undying.runtime.ddp_options import DDPOptions
+    from undying.runtime.ddp_options import parse_ddp_options
     from undying.runtime.pg import GenerationGroup
 
     world = args.world
@@ -46,20 +46,16 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
     abortable_group = dist.new_group(backend="gloo")
     group = GenerationGroup(store, "undying", 1, rank, world, "gloo", 60.0, torch.device("cpu"))
     gpt = example_gpt(REPO, args.block_size, args.n_layer, args.n_embd)
-    # DDP's rule: its first rebuilt bucket is cut at 1 MiB only when bucket_cap_mb is left at its default.
-    default_cap = args.bucket_mb is None
-    cap = int((25.0 if default_cap else args.bucket_mb) * 2**20)
-    first = 2**20 if default_cap else cap
+    # The same arguments to DDP and to ft.wrap_model's reading of them: the same bucket layouts.
+    ddp_arguments = {} if args.bucket_mb is None else {"bucket_cap_mb": args.bucket_mb}
 
     def ddp() -> DistributedDataParallel:
-        return DistributedDataParallel(gpt(), **({} if default_cap else {"bucket_cap_mb": args.bucket_mb}))
+        return DistributedDataParallel(gpt(), **ddp_arguments)
 
-    def hook(pg: Any) -> Any:
-        def average(_state, bucket):  # unannotated: DDP checks a hook's annotations against its own types
-            # DDP's arithmetic: each gradient times 1/world (one product per element), then the sum.
-            buffer = bucket.buffer().mul_(1.0 / world)
-            return dist.all_reduce(buffer, group=pg, async_op=True).get_future().then(lambda done: done.value()[0])
-        return average
+    def python_hook(_state, bucket):  # unannotated: DDP checks a hook's annotations against its own types
+        # DDP's arithmetic: each gradient times 1/world (one product per element), then the sum.
+        buffer = bucket.buffer().mul_(1.0 / world)
+        return dist.all_reduce(buffer, group=hook_group, async_op=True).get_future().then(lambda done: done.value()[0])
 
     def abortable_hook(_state, bucket):  # unannotated: DDP checks a hook's annotations against its own types
         # The future DDP's reducer waits on is ours: the all-reduce's completion sets it (on gloo's
@@ -76,27 +72,19 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
         return mine
 
     models: dict[str, torch.nn.Module] = {"ddp": ddp(), "ddp_python_hook": ddp(), "ddp_abortable_hook": ddp()}
-    models["ddp_python_hook"].register_comm_hook(None, hook(hook_group))
+    models["ddp_python_hook"].register_comm_hook(None, python_hook)
     models["ddp_abortable_hook"].register_comm_hook(None, abortable_hook)
     models["undying_buckets"] = FixedLayoutDDP(gpt(), lambda: group, torch.device("cpu"),
-                                               options=DDPOptions(first_bucket_bytes=first, bucket_bytes=cap))
+                                               options=parse_ddp_options(ddp_arguments, torch.device("cpu")))
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3) for name, model in models.items()}
     generator = torch.Generator().manual_seed(rank)
     timings: dict[str, dict[str, list[float]]] = {name: {"thread": [], "process": [], "wall": []} for name in models}
     for step in range(args.steps + args.warmup):
-        x = torch.randint(0, 65, (args.batch_size, args.block_size), generator=generator)
-        y = torch.randint(0, 65, (args.batch_size, args.block_size), generator=generator)
+        x, y = gpt_batch(args, generator)
         for name, model in models.items():
             dist.barrier()
             thread, process, wall = time.thread_time(), time.process_time(), time.perf_counter()
-            if isinstance(model, FixedLayoutDDP):
-                model.begin_step()
-            _, loss = model(x, y)
-            loss.backward()
-            if isinstance(model, FixedLayoutDDP):
-                model.sync_gradients()
-            optimizers[name].step()
-            optimizers[name].zero_grad(set_to_none=True)
+            gpt_step(model, optimizers[name], x, y)
             if step >= args.warmup:
                 timings[name]["thread"].append(time.thread_time() - thread)
                 timings[name]["process"].append(time.process_time() - process)
