@@ -213,3 +213,37 @@ def test_a_recovery_handover_is_one_console_line_naming_both_strategies(capsys: 
                       details={"from": "retry", "to": "recover-in-place", "why": "rank 3's process is gone"}))
     [line] = capsys.readouterr().err.splitlines()
     assert line.endswith("step 12 gen 3: recovery handed from retry to recover-in-place: rank 3's process is gone"), line
+
+
+class OverlapSink:
+    """A sink that takes its time over each batch and notes whether a second thread came in meanwhile."""
+
+    def __init__(self) -> None:
+        self.inside = 0
+        self.overlaps = 0
+        self.calls = 0
+        self.count_lock = threading.Lock()
+
+    def lines(self, batch: list[tuple[int, str]]) -> None:
+        with self.count_lock:
+            self.inside += 1
+            self.calls += 1
+            self.overlaps += self.inside > 1
+        time.sleep(0.002)  # as a PipeSink's os.write, with the GIL released
+        with self.count_lock:
+            self.inside -= 1
+
+
+def test_the_sink_is_called_by_one_thread_at_a_time(tmp_path: Path) -> None:
+    """The relay's thread and a rank's restart (``follow``) both hand lines to the sink: never at once,
+    since a PipeSink cannot cut its backlog while another thread writes from it (BufferError)."""
+    sink = OverlapSink()
+    relay = OutputRelay(sink, ConsoleStreams((BOTH,)), relay_every=0.001)
+    log = tmp_path / "rank0.log"
+    log.touch()
+    for generation in range(200):
+        append(log, f"line {generation}\n")
+        relay.follow(0, 0, (log, log.stat().st_size), None)  # the rank's next process starts
+    relay.close()
+    assert sink.calls > 200
+    assert sink.overlaps == 0, f"{sink.overlaps} of {sink.calls} sink calls overlapped another"

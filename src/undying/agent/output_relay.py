@@ -66,7 +66,12 @@ class _Followed:
 
 
 class OutputRelay:
-    """Follows the log files of one node's workers; ``follow`` when a rank's process starts."""
+    """Follows the log files of one node's workers; ``follow`` when a rank's process starts.
+
+    Lines are read and handed to the sink under one lock, from the relay's thread and from the
+    caller of ``follow`` and ``close`` alike: a sink is called by one thread at a time (a
+    ``PipeSink`` is not thread-safe: its backlog cannot be cut while another thread writes from it),
+    and a rank's lines reach it in the order they were read."""
 
     def __init__(self, sink: LineSink, streams: ConsoleStreams, relay_every: float = RELAY_EVERY) -> None:
         self.sink = sink
@@ -87,8 +92,7 @@ class OutputRelay:
         following its files: called before the rank's next process starts."""
         with self._lock:
             followed = self._followed.pop(rank, [])
-            batch = self._read_all(followed, final=True)
-        self.sink.lines(batch)
+            self.sink.lines(self._read_all(followed, final=True))
 
     def follow(self, rank: int, local_rank: int, stdout_log: tuple[Path, int],
                stderr_log: tuple[Path, int] | None) -> None:
@@ -115,14 +119,13 @@ class OutputRelay:
         with self._lock:
             followed = [one for files in self._followed.values() for one in files]
             self._followed = {}
-            batch = self._read_all(followed, final=True)
-        self.sink.lines(batch)
+            self.sink.lines(self._read_all(followed, final=True))
 
     def _relay_forever(self) -> None:
         while not self._closed.wait(self.relay_every):
-            with self._lock:
-                batch = self._read_all([one for files in self._followed.values() for one in files], final=False)
-            self.sink.lines(batch)  # also when empty: a sink with a backlog sends it on
+            with self._lock:  # also when empty: a sink with a backlog sends it on
+                self.sink.lines(self._read_all([one for files in self._followed.values() for one in files],
+                                               final=False))
 
     def _read_all(self, followed: list[_Followed], final: bool) -> list[tuple[int, str]]:
         batch: list[tuple[int, str]] = []
