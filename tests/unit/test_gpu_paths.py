@@ -4,6 +4,7 @@ polling an NCCL collective's completion (``torch.cuda`` and the backend's Work o
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import threading
@@ -227,12 +228,37 @@ def test_nccl_wait_aborts_on_the_controller_s_abort(monkeypatch: pytest.MonkeyPa
     assert backend.aborts == 1
 
 
-def test_gloo_wait_trusts_the_future_and_never_aborts(monkeypatch: pytest.MonkeyPatch) -> None:
-    group, backend = fake_group(monkeypatch, "gloo", comm_timeout=0.3)
-    work = EnqueuedWork(runs_s=None)  # is_completed is never asked under gloo
+class GlooWork:
+    """A gloo work: done ``runs_s`` after its start; its ``wait`` bounded by a timeout, as torch's."""
+
+    def __init__(self, runs_s: float) -> None:
+        self.done_at = time.monotonic() + runs_s
+        self.timeouts: list[datetime.timedelta | None] = []
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.Future()  # never asked to call back under gloo
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self.done_at
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self.timeouts.append(timeout)
+        left = self.done_at - time.monotonic()
+        if timeout is not None and left > timeout.total_seconds():
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("Operation timed out!")
+        time.sleep(max(0.0, left))
+        return True
+
+
+def test_gloo_wait_waits_in_the_work_a_poll_period_at_a_time_and_never_aborts(monkeypatch: pytest.MonkeyPatch) -> None:
+    group, backend = fake_group(monkeypatch, "gloo", comm_timeout=1.0)
+    work = GlooWork(runs_s=4 * pg.ABORT_POLL_S)
     group._wait("allreduce", work)  # type: ignore[arg-type]
     group.abandon()
     assert backend.aborts == 0
+    bounded = [timeout for timeout in work.timeouts if timeout is not None]
+    assert len(bounded) >= 3 and all(timeout.total_seconds() == pg.ABORT_POLL_S for timeout in bounded)
 
 
 def test_nccl_groups_are_built_eagerly_with_async_error_handling_off(monkeypatch: pytest.MonkeyPatch) -> None:
