@@ -3,8 +3,9 @@
 Used by the benchmarks that time collectives between real processes (bench/step_checks.py,
 bench/repair_memory.py, bench/studies/commit_vote.py, bench/studies/gradient_sync.py,
 bench/studies/reducer_hook.py): each rank gets its index, the arguments and a free loopback port for
-its store, and puts ``(rank, result)`` on the queue it is handed; ``join_gloo``, ``example_gpt``,
-``add_gpt_arguments``, ``gpt_batch`` and ``gpt_step`` are what the studies of the example GPT share.
+its store, and puts ``(rank, result)`` on the queue it is handed (``leave_with`` does that and ends the
+rank); ``join_gloo``, ``example_gpt``, ``add_gpt_arguments``, ``gpt_batch`` and ``gpt_step`` are what
+the studies of the example GPT share, ``report_ranks`` how a study keeps what its ranks returned.
 """
 
 from __future__ import annotations
@@ -37,6 +38,27 @@ def spawn_ranks(world: int, target: Callable[..., None], *args: Any) -> dict[int
     for process in processes:
         process.join()
     return results
+
+
+def leave_with(queue: Any, rank: int, result: Any) -> None:
+    """In a spawned rank: hand ``result`` back and end the process at once, without the interpreter's
+    teardown, where gloo's threads can abort it (SIGABRT) after the result is out."""
+    import os
+
+    queue.put((rank, result))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def report_ranks(args: Any, results: dict[int, Any]) -> dict[str, Any]:
+    """What a study writes: its arguments and each rank's result, into ``args.out`` where given."""
+    import json
+
+    report = {"arguments": vars(args), "per_rank": {str(rank): results[rank] for rank in sorted(results)}}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 def join_gloo(rank: int, world: int, port: int) -> Any:

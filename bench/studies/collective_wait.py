@@ -18,16 +18,14 @@ checked against the exact result.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared helpers
-from spawn_ranks import join_gloo, spawn_ranks  # noqa: E402
+from spawn_ranks import join_gloo, leave_with, report_ranks, spawn_ranks  # noqa: E402
 
 WAYS = ("bounded wait", "callback event")
 CALLBACK_BACKEND = "gloo, waited by callback"  # neither "gloo" nor "nccl": pg.py's callback way without device polls
@@ -64,10 +62,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
                     record["wall_us"].append((time.perf_counter() - wall) / args.per_round * 1e6)
     summary = {way: {str(size): {key: round(statistics.median(values), 1) for key, values in record.items()}
                      for size, record in by_size.items()} for way, by_size in samples.items()}
-    queue.put((rank, {"sums_exact": ok, "medians": summary}))
-    queue.close()
-    queue.join_thread()  # the result is out: leave without gloo's teardown (its threads may abort it)
-    os._exit(0)
+    leave_with(queue, rank, {"sums_exact": ok, "medians": summary})
 
 
 def main() -> None:
@@ -80,15 +75,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = spawn_ranks(args.world, worker, args)
-    report = {"arguments": vars(args), "per_rank": {str(rank): results[rank] for rank in sorted(results)}}
+    report_ranks(args, results)
     for size in args.sizes.split(","):
         for key in ("thread_us", "process_us", "wall_us"):
             row = [f"{way}: " + ", ".join(f"{results[rank]['medians'][way][size][key]:.1f}" for rank in sorted(results))
                    for way in WAYS]
             print(f"{size:>7} elements  {key:10}  " + "  |  ".join(row))
     print("sums exact on every rank:", all(result["sums_exact"] for result in results.values()))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -19,9 +19,7 @@ training).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
@@ -29,7 +27,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))  # the shared helpers
-from spawn_ranks import add_gpt_arguments, example_gpt, gpt_batch, gpt_step, join_gloo, spawn_ranks  # noqa: E402
+from spawn_ranks import (  # noqa: E402
+    add_gpt_arguments,
+    example_gpt,
+    gpt_batch,
+    gpt_step,
+    join_gloo,
+    leave_with,
+    report_ranks,
+    spawn_ranks,
+)
 
 MODELS = ("no vote", "the defaults' vote")
 
@@ -78,10 +85,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
     result = {name: {f"{kind}_ms": round(statistics.median(values) * 1e3, 3) for kind, values in kinds.items()}
               for name, kinds in timings.items()}
     result["bitwise_equal"] = all(torch.equal(reference[key], voted[key]) for key in reference)
-    queue.put((rank, result))
-    queue.close()
-    queue.join_thread()  # the result is out: leave without gloo's teardown (its threads may abort it)
-    os._exit(0)
+    leave_with(queue, rank, result)
 
 
 def main() -> None:
@@ -93,13 +97,11 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = spawn_ranks(args.world, worker, args)
-    report = {"arguments": vars(args), "per_rank": {str(rank): results[rank] for rank in sorted(results)}}
+    report_ranks(args, results)
     for kind in ("wall_ms", "thread_ms", "process_ms"):
         cells = [f"{name}: " + ", ".join(f"{results[rank][name][kind]:.2f}" for rank in sorted(results)) for name in MODELS]
         print(f"{kind:10}  " + "  |  ".join(cells))
     print("bitwise equal on every rank:", all(result["bitwise_equal"] for result in results.values()))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":
