@@ -190,8 +190,8 @@ class GenerationGroup:
         failure: list[BaseException] = []
         # gloo: the work's own wait, bounded (torch's ``Work.wait(timeout)``), where the completion
         # wakes this thread at once; a callback on the future would first have to take the GIL on
-        # the backend's thread (about 30 us more of this thread's CPU and 0.1-0.2 ms more latency per
-        # small all-reduce of 4 ranks on 2 cores, docs/benchmarks.md).
+        # the backend's thread (about 15 us more of this thread's CPU and 0.07-0.18 ms more wall per
+        # all-reduce of 4 ranks on 2 cores: bench/studies/collective_wait.py, docs/benchmarks.md).
         bounded = self.backend == "gloo"
         try:
             future = work.get_future()
