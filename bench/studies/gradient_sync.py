@@ -21,7 +21,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))  # the shared helpers
-from spawn_ranks import add_gpt_arguments, example_gpt, gpt_batch, gpt_step, join_gloo, spawn_ranks  # noqa: E402
+from spawn_ranks import (  # noqa: E402
+    add_gpt_arguments,
+    example_gpt,
+    gpt_batch,
+    gpt_step,
+    join_gloo,
+    leave_with,  # noqa: E402
+    spawn_ranks,
+)
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> None:  # spawn_ranks' target
@@ -60,8 +68,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
             gpt_step(model, optimizers[name], x, y, vote)
             if step >= args.warmup:
                 timings[name].append(time.perf_counter() - started)
-    queue.put((rank, {name: statistics.median(values) for name, values in timings.items()}))
-    dist.destroy_process_group()
+    leave_with(queue, rank, {name: statistics.median(values) for name, values in timings.items()})
 
 
 def main() -> None:

@@ -28,7 +28,16 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))  # the shared helpers
-from spawn_ranks import add_gpt_arguments, example_gpt, gpt_batch, gpt_step, join_gloo, spawn_ranks  # noqa: E402
+from spawn_ranks import (  # noqa: E402
+    add_gpt_arguments,
+    example_gpt,
+    gpt_batch,
+    gpt_step,
+    join_gloo,
+    leave_with,
+    report_ranks,
+    spawn_ranks,
+)
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> None:  # spawn_ranks' target
@@ -94,9 +103,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: mp.Queue) -> N
                      "bitwise_equal_to_ddp": all(torch.equal(reference[key], value) for key, value in
                                                  getattr(models[name], "module", models[name]).state_dict().items())}
               for name, kinds in timings.items()}
-    queue.put((rank, result))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_with(queue, rank, result)
 
 
 def main() -> None:
@@ -108,10 +115,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = spawn_ranks(args.world, worker, args)
-    report = {"arguments": vars(args), "per_rank": {str(rank): results[rank] for rank in sorted(results)}}
-    print(json.dumps(report, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report_ranks(args, results), indent=2))
 
 
 if __name__ == "__main__":
