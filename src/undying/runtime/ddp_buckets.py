@@ -23,6 +23,13 @@ from undying._torch_compat.tensors import foreach_copy
 from undying.runtime.pg import GenerationGroup, flat_views
 
 STOCK_HOOKS_MODULE = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
+# From this many elements a gradient is multiplied into its bucket by a call of its own, where a
+# smaller one is copied with the others in one fused call and scaled in another: the pass over its
+# bytes saved outweighs a call. On a CPU about even at 16k float32 elements (bench/studies/
+# bucket_gather.py); on an accelerator a call is a kernel launch of microseconds and a pass over 16
+# MiB takes about as long, so only gradients above that go one by one there.
+FUSED_MIN_ELEMENTS = {"cpu": 1 << 14}
+FUSED_MIN_ELEMENTS_ACCELERATOR = 1 << 22
 
 
 class CommHook(enum.Enum):
@@ -48,6 +55,20 @@ def stock_hook(hook: Callable[..., Any]) -> CommHook | None:
     return None
 
 
+def copied_spans(numels: list[int], fused: list[bool]) -> list[tuple[int, int]]:
+    """The (start, end) offsets in a bucket of each run of consecutive parameters not ``fused``."""
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for numel, alone in zip(numels, fused, strict=True):
+        if not alone and numel:
+            if spans and spans[-1][1] == offset:
+                spans[-1] = (spans[-1][0], offset + numel)
+            else:
+                spans.append((offset, offset + numel))
+        offset += numel
+    return spans
+
+
 class Bucket:
     """A flat buffer holding the gradients of a fixed run of parameters of one dtype."""
 
@@ -55,6 +76,12 @@ class Bucket:
         self.params = params
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
         self.views = flat_views(params, self.flat)
+        # Which gradients are multiplied into the buffer one call each (one pass over their bytes)
+        # rather than copied in one fused call and then scaled (two passes), and the spans of the
+        # buffer the others fill, end to end, each scaled in one call.
+        least = FUSED_MIN_ELEMENTS.get(device.type, FUSED_MIN_ELEMENTS_ACCELERATOR)
+        self.fused = [param.numel() >= least for param in params]
+        self.copied_spans = copied_spans([param.numel() for param in params], self.fused)
         self.generation: int | None = None  # the generation whose collectives this buffer was given to
         self._wire: torch.Tensor | None = None  # the 16-bit copy a compressing hook sums
 
@@ -69,21 +96,25 @@ class Bucket:
 
     @torch.no_grad()
     def gather(self, hook: CommHook, weight: int, divisor: int) -> None:
-        """This rank's gradients into the buffer (zeros for a parameter without one): DDP's copy."""
+        """This rank's gradients into the buffer (zeros for a parameter without one), each multiplied
+        by the bucket's factor on the way: DDP's ``mul_out`` of each gradient by a wrapped scalar,
+        the same product per element, so the same bits."""
+        scale = weight / divisor if hook is CommHook.NONE else weight
         sources, destinations = [], []
-        for param, view in zip(self.params, self.views, strict=True):
-            if param.grad is None:
+        for param, view, fused in zip(self.params, self.views, self.fused, strict=True):
+            grad = param.grad
+            if grad is None:
                 view.zero_()
+            elif fused and scale != 1:
+                torch.mul(grad, scale, out=view)
             else:
-                sources.append(param.grad)
+                sources.append(grad)
                 destinations.append(view)
         if destinations:
             foreach_copy(destinations, sources)  # one fused call, not a dispatch per parameter
-        # The scaling of the whole buffer at once: a product per element, the same bits as DDP's
-        # ``mul_out`` of each gradient by the same wrapped scalar.
-        scale = weight / divisor if hook is CommHook.NONE else weight
         if scale != 1:
-            self.flat.mul_(scale)
+            for start, end in self.copied_spans:
+                self.flat[start:end].mul_(scale)
 
     @torch.no_grad()
     def start(self, group: GenerationGroup, hook: CommHook, divisor: int) -> dist.Work | None:
