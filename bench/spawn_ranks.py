@@ -1,11 +1,12 @@
 """Run one function as WORLD processes on this machine and collect what each rank returns.
 
-Used by the benchmarks that time collectives between real processes (bench/step_checks.py,
-bench/repair_memory.py, bench/studies/commit_vote.py, bench/studies/gradient_sync.py,
-bench/studies/reducer_hook.py): each rank gets its index, the arguments and a free loopback port for
-its store, and puts ``(rank, result)`` on the queue it is handed (``leave_with`` does that and ends the
-rank); ``join_gloo``, ``example_gpt``, ``add_gpt_arguments``, ``gpt_batch`` and ``gpt_step`` are what
-the studies of the example GPT share, ``report_ranks`` how a study keeps what its ranks returned.
+Used by the benchmarks and design studies that run their work in several real processes at once
+(bench/step_checks.py, bench/repair_memory.py, and those of bench/studies/ that spawn ranks, most
+of them to time collectives between them): each rank gets its index, the arguments and a free
+loopback port for its store, and puts ``(rank, result)`` on the queue it is handed (``leave_with``
+does that and ends the rank); ``join_gloo``, ``example_gpt``, ``add_gpt_arguments``, ``gpt_batch``
+and ``gpt_step`` are what the studies of the example GPT share, ``report_ranks`` how a study keeps
+what its ranks returned.
 """
 
 from __future__ import annotations
