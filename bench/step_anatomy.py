@@ -10,7 +10,9 @@ training thread's whole CPU time per step, to ``anatomy-<rank>.json``; the drive
 over the ranks. The model's own work is ``Tensor.backward`` (without the gradient hooks timed
 inside it), ``FixedLayoutDDP.forward`` and ``AdamW.step``; the rest is the runtime's, and what is
 not timed at all (the script's loop, the wrappers' own cost) is the remainder. The timing itself
-costs a few microseconds per timed call.
+costs a few microseconds per timed call. ``Reporter._beat`` counts only on the training thread, so
+its calls per step are the commit fence's asks to the controller (the heartbeat thread's own beats
+are not counted).
 
     python bench/step_anatomy.py --size 4x128 --out bench/results/step_anatomy.json
 """
@@ -49,7 +51,7 @@ TIMED = (
     ("undying.runtime.rng_mirror", "RngMirror", ("write_rng", "start_write_rng", "wait")),
     ("undying.runtime.training_state", "TrainingState", ("mark_commit_boundary", "rng_to_mirror")),
     ("undying.data.loader", "ResumableLoader", ("step_batches", "__next__")),
-    ("undying.runtime.reporter", "Reporter", ("update",)),
+    ("undying.runtime.reporter", "Reporter", ("update", "confirm_generation", "_beat")),
     ("undying.runtime.core", "Runtime", ("log", "check")),
     ("torch", "Tensor", ("backward", "item")),
 )
