@@ -27,7 +27,7 @@ from spawn_ranks import (  # noqa: E402
     gpt_batch,
     gpt_step,
     join_gloo,
-    leave_with,  # noqa: E402
+    leave_with,
     spawn_ranks,
 )
 
