@@ -76,6 +76,33 @@ def test_a_fresh_beat_after_a_silence_does_not_renew_the_lease(tmp_path: Path) -
         job.close()
 
 
+def test_steps_longer_than_the_lease_do_not_ask_from_the_training_thread(tmp_path: Path) -> None:
+    """Given the lease, the heartbeat thread keeps it fresh while a step is in flight: at the commit
+    of a step that took longer than the lease, the fence finds an answered beat young enough and a
+    heartbeat thread that beat all along, and does not ask (a beat per step, sent when the step moved,
+    would be a step old)."""
+    job = ShellJob(tmp_path, **SPEC)
+    server = ControllerServer(job.controller, TOKEN, "127.0.0.1", 0)
+    serving = threading.Thread(target=server.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
+    serving.start()
+    lease = 1.0
+    reporter = Reporter(f"127.0.0.1:{server.port}", TOKEN, rank=2, node=1, generation=1, interval=QUIET,
+                        fence_lease=lease)
+    try:
+        assert job.wait_for(lambda: reporter._answered_sent_at is not None)
+        asked = []
+        for step in range(1, 6):
+            began = time.monotonic()
+            reporter.update(step=step, phase=Phase.COMPUTING)
+            time.sleep(lease * 1.2)
+            asked.append(reporter.confirm_generation(lease, since=began))
+        assert sum(asked) <= 1, asked  # one late wake on a loaded machine is allowed; without the thread's beats: 5
+    finally:
+        reporter.close()
+        server.stop()
+        job.close()
+
+
 def test_no_controller_means_no_fence() -> None:
     """A standalone run (no controller) has nobody to replace it: the fence passes at once."""
     reporter = Reporter(None, "", rank=0, node=0, generation=1, interval=QUIET)

@@ -156,6 +156,13 @@ def test_host_silence_timeout_above_the_agents_beat_interval() -> None:
     assert load_job_spec(overrides={"host_silence_timeout": 0.2, "heartbeat_interval": 0.3}).host_silence_limit() == 0.2
 
 
+def test_the_commit_fence_lease_is_half_the_host_silence_limit_with_the_watchdog_on() -> None:
+    assert load_job_spec().commit_fence_lease() == pytest.approx(0.425)
+    assert load_job_spec(overrides={"host_silence_timeout": 2}).commit_fence_lease() == 1.0
+    assert load_job_spec(overrides={"watchdog": "off"}).commit_fence_lease() is None
+    assert load_job_spec(overrides={"watchdog": "detect-only"}).commit_fence_lease() is None
+
+
 def test_min_nodes_between_one_and_nnodes() -> None:
     assert load_job_spec(overrides={"nnodes": 4, "min_nodes": 1}).min_nodes == 1
     assert load_job_spec(overrides={"nnodes": 4, "min_nodes": 4}).min_nodes == 4

@@ -326,6 +326,12 @@ class JobSpec(BaseModel):
         chosen = self.host_silence_timeout
         return min(self.heartbeat_timeout, chosen if chosen is not None else self.agent_beat_interval() + HOST_SILENCE_SLACK)
 
+    def commit_fence_lease(self) -> float | None:
+        """Seconds a worker's newest answered heartbeat stays good for its fence before it applies a
+        step: half of ``host_silence_limit()``, so that a rank the controller could have taken for
+        silent asks first. None unless ``watchdog`` is ``on`` (no fence then)."""
+        return self.host_silence_limit() / 2 if self.watchdog == "on" else None
+
     def reschedule_wait(self) -> float:
         """Seconds to wait for a lost node to come back before elastic training shrinks the job:
         ``wait_reschedule_timeout``. The controller reads the wait only here, so fault tests can

@@ -82,7 +82,7 @@ class Runtime:
         # reporter feeds it from heartbeat replies, the membership moves it, the rest read it.
         generation = Generation(env.generation)
         self.reporter = Reporter(env.controller, env.token, self.rank, self.node, generation,
-                                 self.spec.heartbeat_interval)
+                                 self.spec.heartbeat_interval, fence_lease=self.spec.commit_fence_lease())
         self.membership = Membership(env, self.backend, self.device, generation)
         if not self.joining:
             self.membership.build_group()

@@ -1,7 +1,8 @@
 """The worker's line to the controller: a heartbeat thread and synchronous event sends.
 
 Runs in the worker. The heartbeat thread sends (step, phase) every ``heartbeat_interval``
-while the training thread computes or waits in a collective (neither holds the GIL for
+(while a step is in flight, often enough that the commit fence's lease stays fresh) while
+the training thread computes or waits in a collective (neither holds the GIL for
 long); it stops when the process is stopped or dead, which is how the controller tells a
 hang from slow progress (its agent reports a stopped process at once: agent/stopped_workers.py).
 Events go out at once from the calling thread so that, e.g., an injection is logged
@@ -49,6 +50,11 @@ PROGRESS_MIN_SPACING = 0.25
 # within about this; the end of a recovery is not measured by it (the worker's ``first_step`` event is).
 ASK_MIN_SPACING = 0.1
 EVENT_TIMEOUT_S = 5.0
+# While a step is in flight, the heartbeat thread beats at least this share of the commit fence's lease
+# after its last beat began, so that the fence finds an answered beat younger than the lease and does
+# not ask the controller from the training thread; the rest of the lease is room for the reply and a
+# late wake. A frozen process beats from neither thread, so the fence still sees its silence.
+FENCE_FRESH_SHARE = 0.6
 # Answered heartbeats whose spacing the commit fence reads (``confirm_generation``): more than a
 # step's worth at the closest spacing the fence cares about.
 ANSWERED_GAPS_KEPT = 16
@@ -62,12 +68,14 @@ class Reporter:
     object's current generation. Given a number, it keeps a ``Generation`` of its own."""
 
     def __init__(self, address: str | None, token: str, rank: int, node: int, generation: Generation | int,
-                 interval: float) -> None:
+                 interval: float, fence_lease: float | None = None) -> None:
         self.rank = rank
         self.node = node
         self._generation = Generation(generation) if isinstance(generation, int) else generation
         self._generation.asked_by(self.beat_now)
         self.interval = interval
+        # The commit fence's lease (``confirm_generation``; None: no fence): the thread keeps it fresh.
+        self.fence_lease = fence_lease
         self.step = 0
         self.phase = Phase.STARTING
         self.scalars: dict[str, float] = {}  # the newest value of each name the script logged (ft.log)
@@ -146,14 +154,15 @@ class Reporter:
         while not self._closing.is_set():
             sent = time.monotonic()
             self._beat(client)
-            # The next beat: ``interval`` after this one began (what the controller's silence
-            # timeouts count on), or sooner when the step moves or a beat is asked for, but never
-            # within PROGRESS_MIN_SPACING of this one for progress, ASK_MIN_SPACING when asked for
-            # (an ask made during a progress pause cuts it short).
-            self._wake.wait(max(0.0, sent + self.interval - time.monotonic()))
+            # The next beat: ``_longest_gap()`` after this one began (what the controller's silence
+            # timeouts and the commit fence count on), or sooner when the step moves or a beat is
+            # asked for, but never within PROGRESS_MIN_SPACING of this one for progress,
+            # ASK_MIN_SPACING when asked for (an ask made during a progress pause cuts it short).
+            longest = self._longest_gap()
+            self._wake.wait(max(0.0, sent + longest - time.monotonic()))
             while not self._closing.is_set():
                 spacing = ASK_MIN_SPACING if self._asked.is_set() else PROGRESS_MIN_SPACING
-                pause = sent + min(spacing, self.interval) - time.monotonic()
+                pause = sent + min(spacing, longest) - time.monotonic()
                 if pause <= 0:
                     break
                 (self._closing if self._asked.is_set() else self._asked).wait(pause)
@@ -161,6 +170,14 @@ class Reporter:
             self._wake.clear()
             self._asked.clear()
         client.close()
+
+    def _longest_gap(self) -> float:
+        """Seconds from one beat of the thread to the next at the most: ``interval``, or while a step
+        is in flight (not recovering, not done) and there is a fence, FENCE_FRESH_SHARE of its lease
+        where that is shorter."""
+        if self.fence_lease is None or self.phase in (Phase.RECOVERING, Phase.DONE):
+            return self.interval
+        return min(self.interval, max(ASK_MIN_SPACING, FENCE_FRESH_SHARE * self.fence_lease))
 
     def _beat(self, client: ControllerClient) -> None:
         """One heartbeat; its reply says which generations the controller aborted or ends."""

@@ -208,8 +208,8 @@ class StepTransaction:
         # completed from bytes its peers sent before they gave the step up. A rank heard from all
         # along applies the step every rank voted for, even if a peer has died since: its peers
         # apply it too, and a recovery starts from it.
-        lease = self.spec.host_silence_limit() / 2
-        if self.spec.watchdog == "on" and self.reporter.confirm_generation(lease, since=self.began_at) \
+        lease = self.spec.commit_fence_lease()
+        if lease is not None and self.reporter.confirm_generation(lease, since=self.began_at) \
                 and self.membership.aborted():
             self.fail("the controller aborted this generation while this rank was silent")
             return False
