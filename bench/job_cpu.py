@@ -5,7 +5,10 @@ Used by bench/overhead.py. On a machine whose cores the job's processes share, C
 is steadier than the step time: the machine's own speed drifts between runs (other tenants, the
 page cache), the work a step asks for does not. ``CpuSamples`` records the tree's CPU time (user +
 system, from ``/proc/<pid>/stat``) with a timestamp while the job runs; ``per_step`` divides the
-CPU spent between two samples inside a window of steps by the steps done between them.
+CPU spent between two samples inside a window of steps by the steps done between them;
+``parts_per_step`` does the same for each part of the job (``thread_part``: the launcher, undying's
+agent and standby, and the workers' training, communication and other threads), from every thread's
+``/proc/<pid>/task/<tid>/stat``.
 """
 
 from __future__ import annotations
@@ -16,8 +19,44 @@ from pathlib import Path
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
+# The name of a worker thread's kind, by the start of its name (``/proc/<pid>/task/<tid>/comm``):
+# gloo's and NCCL's threads are named by their libraries; Python's threads keep the process's name.
+COMMUNICATION_THREADS = ("gloo", "pt_gloo", "pt_nccl", "pt_tcpstore")
+
+
+def thread_part(role: str, pid: int, tid: int, name: str) -> str:
+    """Where one thread's CPU is counted: the role of its process (``process_role``), and for a
+    worker which of its threads: the main one (the training loop), its collectives' library
+    threads, or the others (undying's heartbeat, persister and mirror threads, a DataLoader's)."""
+    if role != "worker":
+        return role
+    if tid == pid:
+        return "worker training threads"
+    if name.startswith(COMMUNICATION_THREADS):
+        return "worker communication threads"
+    return "worker other threads"
+
+
+def process_role(pid: int, root: int, parent_command: str, command: str) -> str:
+    """``launcher`` (the tree's root: torchrun's agent, or ``undying run`` with its controller),
+    ``agent`` (undying's node agent), ``standby`` (the agent's warm standby, which the workers are
+    forked from), or ``worker`` (every other process: a training rank)."""
+    if pid == root:
+        return "launcher"
+    if "undying.agent.node_agent" in command:
+        return "agent"
+    if "undying.agent.standby" in command and "undying.agent.node_agent" in parent_command:
+        return "standby"
+    return "worker"
+
+
 def descendants(root: int) -> list[int]:
     """``root`` and every process below it (one scan of /proc)."""
+    return list(_tree(root))
+
+
+def _tree(root: int) -> dict[int, int]:
+    """``root`` and every process below it, each with its parent's pid (one scan of /proc)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -28,12 +67,37 @@ def descendants(root: int) -> list[int]:
             continue
         parent = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [root]
+    found, todo = {root: 0}, [root]
     while todo:
         pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
+        for child in children.get(pid, []):
+            found[child] = pid
+            todo.append(child)
     return found
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """Each thread of ``pid`` still there: its name and user + system CPU seconds."""
+    threads: dict[int, tuple[str, float]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return threads
+    for tid in tids:
+        try:
+            name, fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().split("(", 1)[1].rsplit(")", 1)
+        except (OSError, ValueError):
+            continue
+        values = fields.split()
+        threads[int(tid)] = (name, (int(values[11]) + int(values[12])) / TICKS)
+    return threads
 
 
 def cpu_seconds(pids: list[int]) -> dict[int, float]:
@@ -54,9 +118,48 @@ class CpuSamples:
     def __init__(self, root: int) -> None:
         self.root = root
         self.samples: list[tuple[float, dict[int, float]]] = []
+        # Beside each sample: every thread's (part, CPU seconds), by (pid, tid).
+        self.threads: list[dict[tuple[int, int], tuple[str, float]]] = []
+        self._roles: dict[int, str] = {}
 
     def sample(self, now: float) -> None:
-        self.samples.append((now, cpu_seconds(descendants(self.root))))
+        tree = _tree(self.root)
+        self.samples.append((now, cpu_seconds(list(tree))))
+        threads: dict[tuple[int, int], tuple[str, float]] = {}
+        for pid, parent in tree.items():
+            if pid not in self._roles:
+                self._roles[pid] = process_role(pid, self.root, _command(parent), _command(pid))
+            for tid, (name, seconds) in thread_cpu_seconds(pid).items():
+                threads[(pid, tid)] = (thread_part(self._roles[pid], pid, tid, name), seconds)
+        self.threads.append(threads)
+
+    def parts_per_step(self, step_times: dict[int, float], first_step: int) -> dict[str, float] | None:
+        """``per_step`` for each part of the job (``thread_part``): CPU seconds per step of the threads
+        present in both samples."""
+        window = self._window(step_times, first_step)
+        if window is None:
+            return None
+        first, last, done = window
+        spent: dict[str, float] = {}
+        for key, (part, seconds) in self.threads[last].items():
+            if key in self.threads[first]:
+                spent[part] = spent.get(part, 0.0) + seconds - self.threads[first][key][1]
+        return {part: total / done for part, total in sorted(spent.items())}
+
+    def _window(self, step_times: dict[int, float], first_step: int) -> tuple[int, int, float] | None:
+        """The indices of the first and last samples inside the window of steps from ``first_step``
+        to the last recorded one, and the steps done between them; None if fewer than two samples
+        fall inside or no step was done."""
+        steps = sorted(step for step in step_times if step >= first_step)
+        if len(steps) < 2:
+            return None
+        begin, end = step_times[steps[0]], step_times[steps[-1]]
+        inside = [index for index, (at, _) in enumerate(self.samples) if begin <= at <= end]
+        if len(inside) < 2:
+            return None
+        first, last = inside[0], inside[-1]
+        done = step_at(step_times, self.samples[last][0]) - step_at(step_times, self.samples[first][0])
+        return (first, last, done) if done > 0 else None
 
     def per_step(self, step_times: dict[int, float], first_step: int) -> float | None:
         """CPU seconds per step over the window from ``first_step`` to the last recorded step:
@@ -64,17 +167,12 @@ class CpuSamples:
         steps done (interpolated in ``step_times``, step -> wall time of its end) and the CPU
         spent by the processes present in both samples (a process that began or ended in
         between is left out). None if fewer than two samples fall inside."""
-        steps = sorted(step for step in step_times if step >= first_step)
-        if len(steps) < 2:
+        window = self._window(step_times, first_step)
+        if window is None:
             return None
-        begin, end = step_times[steps[0]], step_times[steps[-1]]
-        inside = [(at, cpu) for at, cpu in self.samples if begin <= at <= end]
-        if len(inside) < 2:
-            return None
-        (at_a, cpu_a), (at_b, cpu_b) = inside[0], inside[-1]
-        done = step_at(step_times, at_b) - step_at(step_times, at_a)
-        spent = sum(cpu_b[pid] - cpu_a[pid] for pid in cpu_b if pid in cpu_a)
-        return spent / done if done > 0 else None
+        first, last, done = window
+        cpu_a, cpu_b = self.samples[first][1], self.samples[last][1]
+        return sum(cpu_b[pid] - cpu_a[pid] for pid in cpu_b if pid in cpu_a) / done
 
 
 def step_at(step_times: dict[int, float], at: float) -> float:

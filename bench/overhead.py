@@ -34,7 +34,9 @@ nothing in it changes; and the CPU time the whole job (every process under its l
 thread) spends per step over the same window (``cpu_ms_per_step``, bench/job_cpu.py), steadier
 than the step time when the machine's speed drifts: the summary gives its median, range and excess
 over torchrun's (``cpu_overhead_percent``; against ``torchrun, DataLoader``, where it ran, the same
-with ``_vs_loader`` in the names).
+with ``_vs_loader`` in the names), and the same CPU split by part of the job
+(``cpu_ms_per_step_parts``: the launcher, undying's agent and standby, the workers' training,
+communication and other threads; bench/job_cpu.py's ``thread_part``).
 
     python bench/overhead.py --repeats 2 --out bench/results/overhead.json
 """
@@ -143,7 +145,13 @@ def run_torchrun(size: str, work: Path, loader: bool = False) -> dict:
         returncode = job.wait()
     times = {int(step): at for step, at in json.loads(log.read_text()).items()} if log.exists() else {}
     return {"exit_code": returncode, "steps_per_second": rate(times, WARMUP_STEPS), "windows_ms": windows(times),
-            "cpu_ms_per_step": cpu_ms(cpu, times, WARMUP_STEPS)}
+            "cpu_ms_per_step": cpu_ms(cpu, times, WARMUP_STEPS),
+            "cpu_ms_per_step_parts": cpu_parts_ms(cpu, times, WARMUP_STEPS)}
+
+
+def cpu_parts_ms(cpu: CpuSamples, times: dict[int, float], first_step: int) -> dict[str, float] | None:
+    parts = cpu.parts_per_step(times, first_step)
+    return None if parts is None else {part: round(1000 * seconds, 2) for part, seconds in parts.items()}
 
 
 def cpu_ms(cpu: CpuSamples, times: dict[int, float], first_step: int) -> float | None:
@@ -191,7 +199,8 @@ def run_undying(size: str, interval: str | None, work: Path) -> dict:
     record: dict = {"exit_code": returncode, "steps_per_second": rate(beats, WARMUP_STEPS),
                     "standbys_ready_seconds": None if ready_at is None else round(ready_at - started, 1),
                     "measured_beats": len([step for step in beats if step >= WARMUP_STEPS]),
-                    "windows_ms": windows(beats), "cpu_ms_per_step": cpu_ms(cpu, beats, WARMUP_STEPS)}
+                    "windows_ms": windows(beats), "cpu_ms_per_step": cpu_ms(cpu, beats, WARMUP_STEPS),
+                    "cpu_ms_per_step_parts": cpu_parts_ms(cpu, beats, WARMUP_STEPS)}
     if ready_at is None:
         record["steps_per_second"] = None  # the run ended before its standbys were up: no steady state
     if changes:
@@ -232,6 +241,12 @@ def summarize(runs: list[dict]) -> dict:
                          if (run["size"], run["config"]) == (size, config) and run.get("cpu_ms_per_step"))
             if cpu and config in rows:
                 rows[config].update(median_cpu_ms_per_step=round(statistics.median(cpu), 2), cpu_ms_range=[cpu[0], cpu[-1]])
+            parts = [run["cpu_ms_per_step_parts"] for run in runs
+                     if (run["size"], run["config"]) == (size, config) and run.get("cpu_ms_per_step_parts")]
+            if parts and config in rows:
+                rows[config]["median_cpu_ms_per_step_parts"] = {
+                    part: round(statistics.median(run.get(part, 0.0) for run in parts), 2)
+                    for part in sorted({part for run in parts for part in run})}
         for suffix, baseline in (("", rows.get("torchrun")), ("_vs_loader", rows.get(TORCHRUN_LOADER))):
             for config, row in rows.items():
                 if baseline and not config.startswith("torchrun"):
@@ -255,6 +270,11 @@ def print_table(summary: dict) -> None:
                                                                     "cpu_overhead_vs_loader_percent") if key in row) or "-"
             print(f"{size:>6} {config:<30} {row['median_steps_per_second']:>8} {row['median_step_ms']:>8} "
                   f"{overhead:>9} {row.get('median_cpu_ms_per_step', '-'):>12} {cpu_extra:>10}")
+    print("CPU ms per step by part of the job, medians of the runs:")
+    for size, rows in summary.items():
+        for config, row in rows.items():
+            parts = ", ".join(f"{part} {ms}" for part, ms in row.get("median_cpu_ms_per_step_parts", {}).items())
+            print(f"{size:>6} {config:<30} {parts}")
 
 
 def _indexed_batches(dataset: Any, rank: int, world: int) -> Iterator[tuple[Any, Any]]:
