@@ -50,12 +50,7 @@ def process_role(pid: int, root: int, parent_command: str, command: str) -> str:
     return "worker"
 
 
-def descendants(root: int) -> list[int]:
-    """``root`` and every process below it (one scan of /proc)."""
-    return list(_tree(root))
-
-
-def _tree(root: int) -> dict[int, int]:
+def descendants(root: int) -> dict[int, int]:
     """``root`` and every process below it, each with its parent's pid (one scan of /proc)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -83,33 +78,31 @@ def _command(pid: int) -> str:
         return ""
 
 
+def _stat_cpu(path: str) -> tuple[str, float] | None:
+    """The name and user + system CPU seconds in a ``stat`` file of /proc (a process's or a
+    thread's); None if it is gone."""
+    try:
+        name, fields = Path(path).read_text().split("(", 1)[1].rsplit(")", 1)
+    except (OSError, ValueError):
+        return None
+    values = fields.split()
+    return name, (int(values[11]) + int(values[12])) / TICKS
+
+
 def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
     """Each thread of ``pid`` still there: its name and user + system CPU seconds."""
-    threads: dict[int, tuple[str, float]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return threads
-    for tid in tids:
-        try:
-            name, fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().split("(", 1)[1].rsplit(")", 1)
-        except (OSError, ValueError):
-            continue
-        values = fields.split()
-        threads[int(tid)] = (name, (int(values[11]) + int(values[12])) / TICKS)
-    return threads
+        return {}
+    read = {int(tid): _stat_cpu(f"/proc/{pid}/task/{tid}/stat") for tid in tids}
+    return {tid: found for tid, found in read.items() if found is not None}
 
 
 def cpu_seconds(pids: list[int]) -> dict[int, float]:
     """User + system CPU seconds of each process still there (all its threads)."""
-    seconds: dict[int, float] = {}
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        seconds[pid] = (int(fields[11]) + int(fields[12])) / TICKS
-    return seconds
+    read = {pid: _stat_cpu(f"/proc/{pid}/stat") for pid in pids}
+    return {pid: found[1] for pid, found in read.items() if found is not None}
 
 
 class CpuSamples:
@@ -123,7 +116,7 @@ class CpuSamples:
         self._roles: dict[int, str] = {}
 
     def sample(self, now: float) -> None:
-        tree = _tree(self.root)
+        tree = descendants(self.root)
         self.samples.append((now, cpu_seconds(list(tree))))
         threads: dict[tuple[int, int], tuple[str, float]] = {}
         for pid, parent in tree.items():
