@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from undying.http_wire import Connection
 from undying.protocol import PROTOCOL_VERSION, TOKEN_HEADER, TOKEN_SCHEME, VERSION_HEADER
 from undying.tls import ClientTls, controller_tls_from_environ
 
@@ -130,7 +131,7 @@ class ControllerClient:
         self.timeout = timeout
         self.locator = locator  # finds the current controller after a failover (None: fixed address)
         self.tls = tls if tls is not None else controller_tls_from_environ()
-        self._conn: http.client.HTTPConnection | None = None
+        self._conn: Connection | None = None
         self._in_flight_since: float | None = None  # monotonic start of the request in flight, if any
         self._held = 0.0  # how long the controller may hold that request (a long poll's wait)
         if locator is not None:
@@ -184,14 +185,10 @@ class ControllerClient:
             seen.add(self.address)
             self._move_to(_MOVED[self.address])
 
-    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+    def _connection(self, timeout: float) -> Connection:
         if self._conn is None:
-            self._conn = (http.client.HTTPConnection(self.host, self.port, timeout=timeout) if self.tls is None else
-                          http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
-                                                      context=self.tls.context()))
-        self._conn.timeout = timeout
-        if self._conn.sock is not None:
-            self._conn.sock.settimeout(timeout)
+            self._conn = Connection(self.host, self.port, timeout, None if self.tls is None else self.tls.context())
+        self._conn.set_timeout(timeout)
         return self._conn
 
     def close(self) -> None:
@@ -222,15 +219,16 @@ class ControllerClient:
         while True:
             conn = self._connection(wait)
             try:
-                conn.request(method, path, body=body, headers=headers)
+                if conn.sock is None:
+                    conn.connect()
                 if self.locator is not None and self.address in _MOVED:
                     # The move was found while this request connected, too early for its cut-off to
                     # reach this socket: follow it now rather than wait on the old controller.
                     self.close()
                     self._follow_known_move()
                     continue
-                response = conn.getresponse()
-                data = response.read()
+                response = conn.request(method, path, body, headers)
+                data = response.body
                 if response.status == 503 and attempt < 3 and self._relocate():
                     attempt += 1  # a deposed controller (failover): ask the new one
                     continue
@@ -249,7 +247,7 @@ class ControllerClient:
             raise Unauthorized(f"controller {self.address} refused the job token")
         if response.status >= 400:
             raise ControllerUnreachable(f"controller {self.address}: HTTP {response.status}: {data[:200]!r}")
-        if response.getheader("Content-Type", "").startswith("application/json"):
+        if (response.headers.get("Content-Type") or "").startswith("application/json"):
             return json.loads(data)
         return data.decode()
 

@@ -163,21 +163,20 @@ def test_a_request_that_connects_as_the_move_is_found_follows_it(monkeypatch) ->
     """Another thread finds the move while this request is connecting to the frozen leader, after it
     looked for a known move and before its socket exists for the cut-off to reach: the request still
     follows the move at once instead of waiting its timeout on the frozen leader."""
-    import http.client
-
     from undying import client as client_module
+    from undying.http_wire import Connection
 
     cluster = _Cluster()
-    real_connect = http.client.HTTPConnection.connect
+    real_connect = Connection.connect
     found = []
 
-    def connect_as_the_move_is_found(self: http.client.HTTPConnection) -> None:
+    def connect_as_the_move_is_found(self: Connection) -> None:
         if self.port == int(cluster.frozen_address.rsplit(":", 1)[1]) and not found:
             found.append(True)
             client_module._cut_off_moved(cluster.frozen_address, cluster.new_address)  # the other thread
         real_connect(self)
 
-    monkeypatch.setattr(http.client.HTTPConnection, "connect", connect_as_the_move_is_found)
+    monkeypatch.setattr(Connection, "connect", connect_as_the_move_is_found)
     try:
         client = ControllerClient(cluster.frozen_address, "token", timeout=5.0, locator=lambda: cluster.new_address)
         sent = time.monotonic()

@@ -25,6 +25,7 @@ from undying.client import format_address
 from undying.controller.core import Controller, NotInCharge
 from undying.controller.message_checks import check_request, worker_event
 from undying.events import Event, read_events
+from undying.http_wire import LeanRequestHead
 from undying.protocol import (
     ROUTE_AGENT_HELLO,
     ROUTE_AGENT_LEAVE,
@@ -146,7 +147,7 @@ class ControllerServer:
 def _make_handler(server: ControllerServer) -> type[BaseHTTPRequestHandler]:
     controller = server.controller
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(LeanRequestHead):
         protocol_version = "HTTP/1.1"
         # One segment per response on kept-alive connections: written unbuffered, the headers left
         # alone and the body waited (Nagle) for the client's delayed ACK, 40 ms per round trip here.

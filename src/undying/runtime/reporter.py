@@ -41,9 +41,9 @@ from undying.runtime.step_timing import StepTimes
 
 # Seconds between two heartbeats sent for progress, however fast steps go: the controller's view of
 # each rank's committed step (where a job ended, the step a fault hit in its records) is this fresh.
-# Each beat costs the rank's heartbeat thread and the controller a request's parsing and encoding
-# (about a third of a millisecond of CPU on a quiet core), so with 50 ms steps closer progress beats
-# cost the job about 1 % of its CPU per 0.1 s.
+# Each beat costs the rank's heartbeat thread and the controller a request's framing, parsing and
+# encoding (0.16 ms of CPU for both ends on a quiet core, bench/round_trip.py; several times that on
+# cores the ranks keep busy), so with 50 ms steps closer progress beats would cost the job more CPU.
 PROGRESS_MIN_SPACING = 0.25
 # ... and between two beats asked for (``beat_now``: a collective waiting long asks for the
 # controller's word, a T2 commit starts): an abort reaches a survivor whose collective waits long
