@@ -301,6 +301,13 @@ class Runtime:
         # (measured: ~3 s per worker on these machines); nothing left is garbage worth that.
         gc.freeze()
 
+    def finish_at_exit(self) -> None:
+        """At the exit of a worker whose script ran ``ft.steps(n)`` to its end under a controller and
+        did not call ``finish()``: finish for it, so that its last checkpoint is committed and the
+        controller learns its final step (its heartbeats may be a few steps behind)."""
+        if self.loop.ran_to_end and self.reporter.connected:
+            self.finish()
+
     # ------------------------------------------------------------- hooks on the wrapped model
 
     def _watch_forwards(self, model: torch.nn.Module) -> None:
@@ -333,7 +340,7 @@ def init() -> Runtime:
     if _runtime is None:
         _runtime = Runtime()
         runtime = _runtime
-        install_exit_hooks(lambda: runtime.finished)
+        install_exit_hooks(lambda: runtime.finished, runtime.finish_at_exit)
     return _runtime
 
 

@@ -6,7 +6,8 @@ and an uncaught exception would otherwise wait for the interpreter's final garba
 torch's objects: both delay (or crash) the exit the agent and controller are waiting to see. A
 recovery that undying's own repair refuses (``ShardLost``: nothing holds a lost shard) ends the
 process with its own exit status, ``protocol.WORKER_EXIT_REPAIR_REFUSED``, so the controller knows
-the chain tried a strategy that cannot help, not that the script failed.
+the chain tried a strategy that cannot help, not that the script failed. A script that ran its
+``ft.steps(n)`` loop to the end and exits without calling ``ft.finish()`` is finished at exit.
 """
 
 from __future__ import annotations
@@ -25,11 +26,23 @@ from undying.protocol import WORKER_EXIT_REPAIR_REFUSED
 from undying.runtime.reapers import reapers_alive
 from undying.runtime.sharded import ShardLost
 
+_uncaught: list[BaseException] = []  # the exception that is ending this process, if one is
 
-def install_exit_hooks(finished: Callable[[], bool]) -> None:
-    """Register the exit hooks of this process; ``finished``: has the script called ``finish()``?"""
+
+def install_exit_hooks(finished: Callable[[], bool], finish_at_exit: Callable[[], None] | None = None) -> None:
+    """Register the exit hooks of this process; ``finished``: has the script called ``finish()``?
+    ``finish_at_exit``: what ends training for a script that ran its steps to the end and exits
+    without calling ``finish()`` (most scripts from torchrun end with their loop): called at exit
+    unless an uncaught exception is ending the process. Registered last, so it runs first."""
     atexit.register(_exit_without_teardown_if_reaping, finished)
+    if finish_at_exit is not None:
+        atexit.register(_finish_unless_raised, finished, finish_at_exit)
     sys.excepthook = _excepthook_then_freeze(sys.excepthook)
+
+
+def _finish_unless_raised(finished: Callable[[], bool], finish_at_exit: Callable[[], None]) -> None:
+    if not finished() and not _uncaught:
+        finish_at_exit()
 
 
 def _exit_without_teardown_if_reaping(finished: Callable[[], bool]) -> None:
@@ -49,6 +62,7 @@ def _excepthook_then_freeze(previous: Any) -> Any:
     exit, and the controller the real cause, at once."""
 
     def hook(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
+        _uncaught.append(value)
         previous(kind, value, traceback)
         sys.stderr.flush()
         gc.freeze()

@@ -54,6 +54,7 @@ class StepLoop:
         self.joining = joining
         self._resumed_from: int | None = None  # the step the newest restore or recovery took this rank to
         self._loop_state_registered = False
+        self.ran_to_end = False  # the script's ``ft.steps(n)`` loop went through its last step
 
     def steps(self, max_steps: int, start: int | None = None) -> Iterator[Step]:
         """``ft.steps`` (runtime/core.py ``Runtime.steps``)."""
@@ -105,6 +106,7 @@ class StepLoop:
                 self._recover("the controller ended this generation at a step boundary")
                 step = self.state.committed_step
                 first = True
+        self.ran_to_end = True
 
     def _register_loop_state(self) -> None:
         """Once, before the first step: take the unregistered schedulers and GradScalers into the
