@@ -28,8 +28,16 @@ class MessageError(http.client.HTTPException):
     """A message that is not the HTTP/1.1 the endpoint speaks (its text says what was wrong)."""
 
 
-class LineTooLong(MessageError):
+class HeadTooLarge(MessageError):
+    """A message head over the limits (a server answers it with 431)."""
+
+
+class LineTooLong(HeadTooLarge):
     """A status, request or header line longer than ``MAX_LINE``."""
+
+
+class TooManyHeaders(HeadTooLarge):
+    """More than ``MAX_HEADERS`` header fields."""
 
 
 class Headers(dict[str, str]):
@@ -42,7 +50,7 @@ class Headers(dict[str, str]):
 
 def read_headers(stream: IO[bytes]) -> Headers:
     """The header fields of a message from ``stream``, up to and including the blank line that ends
-    them (or the end of the stream). Raises ``LineTooLong`` or ``MessageError``: too many fields, a
+    them (or the end of the stream). Raises ``LineTooLong``, ``TooManyHeaders`` or ``MessageError``: a
     folded (obsolete) continuation line, a line without a name and a colon."""
     headers = Headers()
     for _ in range(MAX_HEADERS + 1):
@@ -58,7 +66,7 @@ def read_headers(stream: IO[bytes]) -> Headers:
         if not colon or not name or " " in name or "\t" in name:
             raise MessageError(f"malformed header line {line[:80]!r}")
         headers.setdefault(name.lower(), value.strip())
-    raise MessageError(f"more than {MAX_HEADERS} header fields")
+    raise TooManyHeaders(f"more than {MAX_HEADERS} header fields")
 
 
 @dataclass(frozen=True)
@@ -177,13 +185,11 @@ class LeanRequestHead(BaseHTTPRequestHandler):
         self.path = "/" + path.lstrip("/") if path.startswith("//") else path
         try:
             self.headers = read_headers(self.rfile)  # type: ignore[arg-type,assignment]
-        except LineTooLong as error:
-            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Line too long", str(error))
+        except HeadTooLarge as error:
+            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Header fields too large", str(error))
             return False
         except MessageError as error:
-            too_many = str(error).startswith("more than")
-            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE if too_many else HTTPStatus.BAD_REQUEST,
-                            "Too many headers" if too_many else "Bad header", str(error))
+            self.send_error(HTTPStatus.BAD_REQUEST, "Bad header", str(error))
             return False
         connection = (self.headers.get("Connection") or "").lower()
         self.close_connection = not (self.protocol_version == "HTTP/1.1" and connection != "close"
