@@ -105,6 +105,19 @@ def cpu_seconds(pids: list[int]) -> dict[int, float]:
     return {pid: found[1] for pid, found in read.items() if found is not None}
 
 
+def thread_parts(root: int, roles: dict[int, str]) -> dict[tuple[int, int], tuple[str, float]]:
+    """Every thread of the tree under ``root``: its part (``thread_part``) and user + system CPU
+    seconds, by (pid, tid). ``roles``: each process's role (``process_role``), filled in as new
+    processes are met and kept by the caller across calls."""
+    threads: dict[tuple[int, int], tuple[str, float]] = {}
+    for pid, parent in descendants(root).items():
+        if pid not in roles:
+            roles[pid] = process_role(pid, root, _command(parent), _command(pid))
+        for tid, (name, seconds) in thread_cpu_seconds(pid).items():
+            threads[(pid, tid)] = (thread_part(roles[pid], pid, tid, name), seconds)
+    return threads
+
+
 class CpuSamples:
     """(wall time, CPU seconds of each process of the tree) every time ``sample`` is called."""
 
@@ -116,15 +129,8 @@ class CpuSamples:
         self._roles: dict[int, str] = {}
 
     def sample(self, now: float) -> None:
-        tree = descendants(self.root)
-        self.samples.append((now, cpu_seconds(list(tree))))
-        threads: dict[tuple[int, int], tuple[str, float]] = {}
-        for pid, parent in tree.items():
-            if pid not in self._roles:
-                self._roles[pid] = process_role(pid, self.root, _command(parent), _command(pid))
-            for tid, (name, seconds) in thread_cpu_seconds(pid).items():
-                threads[(pid, tid)] = (thread_part(self._roles[pid], pid, tid, name), seconds)
-        self.threads.append(threads)
+        self.samples.append((now, cpu_seconds(list(descendants(self.root)))))
+        self.threads.append(thread_parts(self.root, self._roles))
 
     def parts_per_step(self, step_times: dict[int, float], first_step: int) -> dict[str, float] | None:
         """``per_step`` for each part of the job (``thread_part``): CPU seconds per step of the threads

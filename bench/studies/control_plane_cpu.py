@@ -28,20 +28,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
-from job_cpu import _command, descendants, process_role, thread_cpu_seconds, thread_part  # noqa: E402
+from job_cpu import thread_parts  # noqa: E402
 
 PARTS = ("controller", "agent", "workers' heartbeat and mirror threads", "rank 0's persister")
-
-
-def snapshot(root: int, roles: dict[int, str]) -> dict[tuple[int, int], tuple[str, str, float]]:
-    """Every thread of the job: (its process's role, its part, CPU seconds), by (pid, tid)."""
-    threads = {}
-    for pid, parent in descendants(root).items():
-        if pid not in roles:
-            roles[pid] = process_role(pid, root, _command(parent), _command(pid))
-        for tid, (name, seconds) in thread_cpu_seconds(pid).items():
-            threads[(pid, tid)] = (roles[pid], thread_part(roles[pid], pid, tid, name), seconds)
-    return threads
 
 
 def one_run(tree: Path, settle: float, window: float, scratch: Path) -> dict[str, float]:
@@ -53,16 +42,15 @@ def one_run(tree: Path, settle: float, window: float, scratch: Path) -> dict[str
         try:
             roles: dict[int, str] = {}
             time.sleep(settle)
-            before = snapshot(job.pid, roles)
+            before = thread_parts(job.pid, roles)
             time.sleep(window)
-            after = snapshot(job.pid, roles)
+            after = thread_parts(job.pid, roles)
         finally:
             job.terminate()
             job.wait(60)
-    spent: dict[tuple[int, int], float] = {key: (seconds - before.get(key, (role, part, 0.0))[2]) * 1000 / window
-                                           for key, (role, part, seconds) in after.items()}
-    workers = sorted({pid for (pid, _), (role, _, _) in after.items() if role == "worker"})
-    others = {key: ms for key, ms in spent.items() if after[key][1] == "worker other threads"}
+    spent = {key: (seconds - before.get(key, (part, 0.0))[1]) * 1000 / window for key, (part, seconds) in after.items()}
+    workers = sorted({pid for (pid, _), (part, _) in after.items() if part.startswith("worker ")})
+    others = {key: ms for key, ms in spent.items() if after[key][0] == "worker other threads"}
     rank0_others = [key for key in others if key[0] == workers[0]] if workers else []
     persister = max(rank0_others, key=lambda key: others[key]) if rank0_others else None
     return {
