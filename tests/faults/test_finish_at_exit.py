@@ -4,7 +4,8 @@ finished at its exit, with real ``undying run`` jobs.
 Property: when every rank's ``ft.steps(n)`` ran to its end and the script returned, the job ends
 as if the script had called ``ft.finish()``: every rank says it is done at step n (the job's end
 names step n, however far behind its last heartbeats were), the T2 checkpoint begun at the last
-step is committed, and rank 0 writes the run's result. A script whose exception ends it after the
+step is committed, rank 0 writes the run's result, and every rank's parameters and optimizer
+state are bitwise those of the same script calling ``ft.finish()`` itself. A script whose exception ends it after the
 loop is not finished: the job fails with that error.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_job
+from tests.conftest import RANK_DIGESTS, REPO, run_job
 from undying import events as ev
 from undying.events import read_events
 
@@ -52,3 +53,14 @@ def test_a_script_whose_error_ends_it_after_the_loop_is_not_finished(tmp_path: P
     done, ends, _ = _ending(run.run_dir)
     assert not done and not (run.run_dir / "result.json").exists()
     assert "evaluation failed after training" in run.output
+
+
+def test_finished_at_exit_ends_bitwise_where_a_script_calling_finish_ends(tmp_path: Path) -> None:
+    """Every rank's parameters and optimizer state at the end (the digests its ``worker_done``
+    carries, ``state_digests: true``) are those of the same script calling ``ft.finish()`` itself."""
+    runs = {then: run_job(tmp_path / then, ARGS, steps=STEPS, script=SCRIPT, script_args=["--then", then])
+            for then in ("return", "finish")}
+    assert all(run.returncode == 0 for run in runs.values())
+    ours, theirs = runs["return"].rank_digests(), runs["finish"].rank_digests()
+    assert sorted(ours) == sorted(theirs) == [0, 1]
+    assert all(ours[rank][key] == theirs[rank][key] for rank in theirs for key in RANK_DIGESTS), (ours, theirs)
